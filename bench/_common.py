@@ -1,0 +1,169 @@
+# SPDX-License-Identifier: MIT
+"""Small helpers shared by the pyattn benchmark scripts.
+
+Nothing here knows about attention: adaptive timing, machine description, environment warnings and
+table printing (plain text streamed row by row, or Markdown at the end).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# OpenBLAS tuning variables that, when set on this machine, slow NumPy's BLAS; benches never change
+# them, they only warn (unset them in the command: `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE`).
+OPENBLAS_SLOW_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Wall-clock statistics of one benchmarked callable, in seconds."""
+
+    median: float
+    min: float
+    runs: int
+
+
+def time_call(
+    fn: Callable[[], Any],
+    *,
+    min_time: float = 0.3,
+    min_runs: int = 5,
+    max_runs: int = 10_000,
+    warmup: int = 1,
+    settle: float = 0.1,
+) -> tuple[Timing, Any]:
+    """Time `fn()` with time.perf_counter: sleep `settle` s, `warmup` untimed calls, then repeat
+    until both `min_runs` runs and `min_time` seconds of timed calls are reached (at most `max_runs`).
+
+    Returns the timing and the result of the last call. The sleep lets the worker threads of the
+    library timed before go idle: OpenBLAS threads keep spinning for ~0.1 s after a call and, on a
+    machine with few cores, measurably slow whatever runs next. The garbage collector is paused
+    while timing so that a collection of another library's garbage does not land in a sample.
+    """
+    time.sleep(settle)
+    result = None
+    for _ in range(warmup):
+        result = fn()
+    samples: list[float] = []
+    total = 0.0
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        while len(samples) < max_runs and (len(samples) < min_runs or total < min_time):
+            t0 = time.perf_counter()
+            result = fn()
+            dt = time.perf_counter() - t0
+            samples.append(dt)
+            total += dt
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return Timing(statistics.median(samples), min(samples), len(samples)), result
+
+
+def cpu_model() -> str:
+    """CPU model name from /proc/cpuinfo (falls back to platform.processor())."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def now_iso() -> str:
+    """Local date and time, ISO 8601, seconds resolution."""
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def openblas_env_warnings() -> list[str]:
+    """One warning line per slow-BLAS environment variable that is set (empty list if none)."""
+    return [
+        f"WARNING: {name}={os.environ[name]!r} is set and may slow NumPy's BLAS; "
+        f"rerun with `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE ...`"
+        for name in OPENBLAS_SLOW_ENV
+        if name in os.environ
+    ]
+
+
+def blas_thread_limiter(num_threads: int) -> tuple[Callable[[], Any], str]:
+    """Limit NumPy's BLAS pool to `num_threads` via threadpoolctl when it is installed.
+
+    Returns (a factory of context managers that apply the limit while entered, a description of
+    what was done); without threadpoolctl the contexts do nothing and the description says which
+    thread count BLAS will use.
+    """
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        env = [f"{k}={os.environ[k]}" for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS") if k in os.environ]
+        note = ", ".join(env) if env else f"OpenBLAS default = all {os.cpu_count()} CPUs"
+        return (
+            contextlib.nullcontext,
+            f"not controlled (threadpoolctl not installed; {note}; "
+            f"set OPENBLAS_NUM_THREADS={num_threads} in the command to pin it)",
+        )
+    return (
+        lambda: threadpool_limits(limits=num_threads, user_api="blas"),
+        f"{num_threads} (threadpoolctl)",
+    )
+
+
+@dataclass(frozen=True)
+class Column:
+    """One table column: header text, plain-text width, and right alignment for numbers."""
+
+    header: str
+    width: int
+    right: bool = True
+
+
+class Table:
+    """A result table that prints plain-text rows as they arrive and can render Markdown at the end."""
+
+    def __init__(self, columns: Sequence[Column]):
+        self.columns = list(columns)
+        self.rows: list[list[str]] = []
+
+    def _plain(self, cells: Sequence[str]) -> str:
+        parts = []
+        for col, cell in zip(self.columns, cells):
+            width = max(col.width, len(col.header))
+            parts.append(cell.rjust(width) if col.right else cell.ljust(width))
+        return "  ".join(parts).rstrip()
+
+    def header(self) -> str:
+        """Plain-text header line followed by a rule."""
+        line = self._plain([c.header for c in self.columns])
+        return line + "\n" + "-" * len(line)
+
+    def add(self, cells: Sequence[str]) -> str:
+        """Store a row and return its plain-text rendering."""
+        assert len(cells) == len(self.columns)
+        self.rows.append(list(cells))
+        return self._plain(cells)
+
+    def markdown(self) -> str:
+        """The whole table as GitHub-flavoured Markdown."""
+        head = "| " + " | ".join(c.header for c in self.columns) + " |"
+        rule = "|" + "|".join("---:" if c.right else ":---" for c in self.columns) + "|"
+        body = ["| " + " | ".join(cell or " " for cell in row) + " |" for row in self.rows]
+        return "\n".join([head, rule, *body])
+
+
+def fmt(value: float | None, spec: str) -> str:
+    """Format a number with `spec`, or '-' for None/NaN."""
+    if value is None or value != value:
+        return "-"
+    return format(value, spec)

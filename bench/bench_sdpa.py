@@ -1,0 +1,628 @@
+# SPDX-License-Identifier: MIT
+"""Benchmark pyattn.scaled_dot_product_attention against its peers on the DESIGN shape suite.
+
+Run (from the repository root, with pyattn installed in the interpreter's environment)::
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_sdpa.py            # full suite
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_sdpa.py --quick    # smoke, < 30 s
+    python bench/bench_sdpa.py --threads 1 --shapes 1x16x1024x64,decode --markdown --json out.json
+
+What is measured, per (shape, variant) row, all in float32 with the same thread count everywhere:
+
+* shapes: (B, H, L, D) self-attention with S = L keys, plus decode rows: one query (L = 1) against
+  S = 4096 and 16384 keys (B=1, H=32, D=128);
+* variants: ``none`` (no mask), ``causal`` (``is_causal=True``; decode rows use ``"lower_right"`` for
+  pyattn, and ``is_causal=False`` for torch/onnxruntime, which is the same thing when L = 1: the single
+  query sees every key), ``mask`` (an explicit bool (L, S) mask, True = may attend, broadcast over
+  batch and heads: the last 25% of keys are padding, plus ~10% random holes; key 0 is always allowed
+  so no row is fully masked);
+* pyattn time (median and min of many runs after a warm-up; runs repeat until both ``--min-time``
+  seconds and ``--min-runs`` runs are reached), GFLOP/s, % of the FMA peak measured in the same run,
+  and for decode rows the K+V read bandwidth (GB/s, % of the measured read bandwidth);
+* max abs error of pyattn's output against ``pyattn.reference`` (float64). Rows with
+  B*H*L*S > 2**23 are checked on the first batch and head only (inputs sliced to [:1, :1]);
+* peers: "numpy" (a float32 NumPy implementation written here: matmul, masked softmax, matmul; the
+  float64 pyattn.reference would not be a fair peer), ``torch.nn.functional.scaled_dot_product_attention``
+  (inference_mode, torch.set_num_threads) and onnxruntime (ONNX ``Attention`` op, opset 23) when
+  installed. Each peer shows its median ms and ``peer_ms / pyattn_ms`` (> 1: pyattn is faster).
+
+FLOP count: 4 * B * H * D * (number of (query, key) pairs computed); a pair costs 2*D for q.k and 2*D
+for p*v. ``none`` and ``mask`` rows count all L*S pairs (a mask does not reduce the work credited);
+``causal`` rows count only the allowed pairs (about half for L == S).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from _common import (
+    Column,
+    Table,
+    blas_thread_limiter,
+    cpu_model,
+    fmt,
+    now_iso,
+    openblas_env_warnings,
+    time_call,
+)
+
+DTYPE = np.float32
+FULL_CHECK_MAX_SCORES = 1 << 23  # B*H*L*S above this: the error is checked on [:1, :1] only
+PEER_AGREEMENT_TOL = 1e-3  # a peer further than this from pyattn is reported (bench bug or real bug)
+NUMPY_CHUNK_SCORES = 1 << 22  # the numpy peer materialises at most this many float32 scores at once
+
+
+@dataclass(frozen=True)
+class Case:
+    """One attention shape: query (B, H, L, D), key/value (B, H, S, D)."""
+
+    batch: int
+    num_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+
+    @property
+    def is_decode(self) -> bool:
+        return self.q_len == 1
+
+    @property
+    def name(self) -> str:
+        base = f"{self.batch}x{self.num_heads}x{self.q_len}x{self.head_dim}"
+        return f"{base} S={self.kv_len}" if self.q_len != self.kv_len else base
+
+
+SUITE = (
+    Case(1, 12, 128, 128, 64),
+    Case(8, 12, 128, 128, 64),
+    Case(1, 12, 512, 512, 64),
+    Case(4, 12, 512, 512, 64),
+    Case(1, 16, 1024, 1024, 64),
+    Case(1, 16, 2048, 2048, 64),
+    Case(1, 8, 4096, 4096, 64),
+    Case(1, 16, 1024, 1024, 128),
+    Case(1, 32, 1, 4096, 128),
+    Case(1, 32, 1, 16384, 128),
+)
+QUICK_SUITE = ("1x12x128x64", "1x12x512x64", "1x32x1x128 S=4096")
+VARIANTS = ("none", "causal", "mask")
+PEERS = ("numpy", "torch", "onnxruntime")
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs, masks and work counts
+
+
+def make_inputs(case: Case, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Standard-normal float32 query, key, value in (B, H, len, D) layout."""
+    b, h, d = case.batch, case.num_heads, case.head_dim
+    q = rng.standard_normal((b, h, case.q_len, d), dtype=DTYPE)
+    k = rng.standard_normal((b, h, case.kv_len, d), dtype=DTYPE)
+    v = rng.standard_normal((b, h, case.kv_len, d), dtype=DTYPE)
+    return q, k, v
+
+
+def make_padding_mask(q_len: int, kv_len: int, rng: np.random.Generator) -> np.ndarray:
+    """Bool (L, S) mask, True = may attend: last 25% of keys are padding, ~10% random holes,
+    key 0 always allowed so that no row is fully masked (torch would return NaN for it)."""
+    allowed = rng.random((q_len, kv_len)) >= 0.10
+    allowed[:, math.ceil(0.75 * kv_len) :] = False
+    allowed[:, 0] = True
+    return allowed
+
+
+def causal_offset(case: Case) -> int:
+    """Query i sees keys j <= i + offset: 0 for upper-left (L == S), S - L for decode (lower-right)."""
+    return case.kv_len - case.q_len if case.is_decode else 0
+
+
+def causal_allowed(case: Case) -> np.ndarray:
+    """Bool (L, S) causal mask with the alignment pyattn uses for this case."""
+    i = np.arange(case.q_len)[:, None]
+    j = np.arange(case.kv_len)[None, :]
+    return j <= i + causal_offset(case)
+
+
+def pyattn_is_causal(case: Case, variant: str) -> bool | str:
+    """pyattn's is_causal argument: True for L == S, "lower_right" for decode rows."""
+    if variant != "causal":
+        return False
+    return "lower_right" if case.is_decode else True
+
+
+def peer_is_causal(case: Case, variant: str) -> bool:
+    """is_causal for torch/onnxruntime (upper-left only): for decode (L = 1) lower-right causal
+    allows every key, i.e. no mask, so they get False there."""
+    return variant == "causal" and not case.is_decode
+
+
+def allowed_pairs(case: Case, variant: str) -> int:
+    """(query, key) pairs credited in the FLOP count: all L*S, except allowed ones for causal rows."""
+    if variant != "causal":
+        return case.q_len * case.kv_len
+    seen = np.clip(np.arange(case.q_len) + causal_offset(case) + 1, 0, case.kv_len)
+    return int(seen.sum())
+
+
+def flop_count(case: Case, variant: str) -> int:
+    """4 * B * H * D * pairs (2*D for q.k, 2*D for p*v per pair)."""
+    return 4 * case.batch * case.num_heads * case.head_dim * allowed_pairs(case, variant)
+
+
+def kv_bytes(case: Case) -> int:
+    """Bytes of K and V (each read once by a streaming decode kernel)."""
+    return 2 * case.batch * case.num_heads * case.kv_len * case.head_dim * np.dtype(DTYPE).itemsize
+
+
+# ----------------------------------------------------------------------------------------------
+# Peers: each factory returns a zero-argument callable that computes the row's attention.
+
+
+def numpy_sdpa(q, k, v, allowed, scale):
+    """Float32 NumPy attention: scores by matmul, masked softmax in place, matmul with V.
+
+    `allowed` is None or a bool (L, S) mask (True = may attend). (batch, head) pairs are processed
+    in chunks of at most NUMPY_CHUNK_SCORES scores so memory stays bounded on the long rows.
+    """
+    b, h, q_len, _ = q.shape
+    kv_len, ev = k.shape[2], v.shape[3]
+    qf = (q * DTYPE(scale)).reshape(b * h, q_len, -1)
+    kt = k.reshape(b * h, kv_len, -1).transpose(0, 2, 1)
+    vf = v.reshape(b * h, kv_len, ev)
+    out = np.empty((b * h, q_len, ev), dtype=DTYPE)
+    forbidden = None if allowed is None else ~allowed
+    step = max(1, NUMPY_CHUNK_SCORES // (q_len * kv_len))
+    for g0 in range(0, b * h, step):
+        g = slice(g0, min(g0 + step, b * h))
+        scores = np.matmul(qf[g], kt[g])
+        if forbidden is not None:
+            np.copyto(scores, -np.inf, where=forbidden)
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        denom = scores.sum(axis=-1, keepdims=True)
+        np.matmul(scores, vf[g], out=out[g])
+        out[g] /= denom
+    return out.reshape(b, h, q_len, ev)
+
+
+def make_numpy_peer(case, variant, q, k, v, mask, threads):
+    """The NumPy peer; the causal mask is built once here, outside the timed call (like `mask`)."""
+    allowed = mask
+    if variant == "causal":
+        causal = causal_allowed(case)
+        allowed = None if causal.all() else causal
+    scale = 1.0 / math.sqrt(case.head_dim)
+    return lambda: numpy_sdpa(q, k, v, allowed, scale)
+
+
+def make_torch_peer(case, variant, q, k, v, mask, threads):
+    """torch.nn.functional.scaled_dot_product_attention on zero-copy tensors, inference mode."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(threads)
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    tmask = None if mask is None else torch.from_numpy(mask)
+    causal = peer_is_causal(case, variant)
+
+    def run():
+        with torch.inference_mode():
+            return F.scaled_dot_product_attention(tq, tk, tv, attn_mask=tmask, is_causal=causal).numpy()
+
+    return run
+
+
+def make_onnxruntime_peer(case, variant, q, k, v, mask, threads):
+    """onnxruntime session running the ONNX opset-23 `Attention` op (bool mask, True = attend)."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    names = ["q", "k", "v"] + ([] if mask is None else ["mask"])
+    feeds = dict(zip(names, (q, k, v, mask)))
+    inputs = [
+        helper.make_tensor_value_info(
+            name, TensorProto.BOOL if name == "mask" else TensorProto.FLOAT, list(arr.shape)
+        )
+        for name, arr in feeds.items()
+    ]
+    output = helper.make_tensor_value_info("out", TensorProto.FLOAT, list(q.shape[:-1]) + [v.shape[-1]])
+    node = helper.make_node("Attention", names, ["out"], is_causal=int(peer_is_causal(case, variant)))
+    graph = helper.make_graph([node], "sdpa", inputs, [output])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    model.ir_version = min(model.ir_version, 10)
+    onnx.checker.check_model(model)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return lambda: session.run(None, feeds)[0]
+
+
+PEER_FACTORIES: dict[str, Callable] = {
+    "numpy": make_numpy_peer,
+    "torch": make_torch_peer,
+    "onnxruntime": make_onnxruntime_peer,
+}
+
+
+def detect_peers(wanted: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Available peers among `wanted`, and a version-or-reason string for every library."""
+    versions = {"numpy": np.__version__}
+    available = ["numpy"] if "numpy" in wanted else []
+    try:
+        import torch
+
+        versions["torch"] = torch.__version__
+        if "torch" in wanted:
+            available.append("torch")
+    except ImportError:
+        versions["torch"] = "not installed (peer skipped)"
+    try:
+        import onnxruntime
+
+        versions["onnxruntime"] = onnxruntime.__version__
+        try:
+            import onnx  # noqa: F401  (builds the graph)
+
+            if "onnxruntime" in wanted:
+                available.append("onnxruntime")
+        except ImportError:
+            versions["onnxruntime"] += " (onnx not installed, needed to build the graph: peer skipped)"
+    except ImportError:
+        versions["onnxruntime"] = "not installed (peer skipped)"
+    return available, versions
+
+
+# ----------------------------------------------------------------------------------------------
+# Machine description and ceilings
+
+
+def numpy_blas_name() -> str:
+    """'name version' of the BLAS NumPy was built with, as numpy.show_config reports it."""
+    try:
+        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        return f"{blas.get('name', '?')} {blas.get('version', '')}".strip()
+    except Exception:  # noqa: BLE001  (show_config's layout is not a stable API)
+        return "unknown BLAS"
+
+
+def measure_ceilings(core, threads: int, quick: bool) -> dict[str, float | None]:
+    """FMA peak (GFLOP/s) and streaming read bandwidth (GB/s) from pyattn._core, when it has them."""
+    ceilings: dict[str, float | None] = {"fma_peak_gflops": None, "read_bandwidth_gbs": None}
+    if hasattr(core, "fma_peak_gflops"):
+        ceilings["fma_peak_gflops"] = float(core.fma_peak_gflops(threads, 0.1 if quick else 0.5))
+    if hasattr(core, "read_bandwidth_gbs"):
+        ceilings["read_bandwidth_gbs"] = float(core.read_bandwidth_gbs(threads, 1 << (28 if quick else 30)))
+    return ceilings
+
+
+def machine_info(pyattn, threads, versions, blas_threads, ceilings, args) -> dict:
+    """Everything about the run that a reader needs to trust (or reproduce) the numbers."""
+    return {
+        "date": now_iso(),
+        "cpu": cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "threads": threads,
+        "pyattn": {k: v for k, v in pyattn.runtime_info().items()},
+        "numpy_blas": f"{numpy_blas_name()}; BLAS threads: {blas_threads}",
+        "versions": versions,
+        "ceilings": ceilings,
+        "env": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OMP_NUM_THREADS",
+                                            "OPENBLAS_NUM_THREADS", "PYATTN_ISA") if k in os.environ},
+        "quick": args.quick,
+        "min_time_s": args.min_time,
+        "min_runs": args.min_runs,
+        "seed": args.seed,
+    }
+
+
+def print_header(info: dict, peers: list[str]) -> None:
+    """Human-readable description of the machine, the libraries and the definitions used."""
+    rt = info["pyattn"]
+    ceil = info["ceilings"]
+    fma = ceil["fma_peak_gflops"]
+    bw = ceil["read_bandwidth_gbs"]
+    print(f"pyattn bench_sdpa   {info['date']}")
+    print(f"CPU: {info['cpu']} ({info['logical_cpus']} logical CPUs); threads for every library: {info['threads']}")
+    print(
+        f"pyattn {rt.get('version')}: isa={rt.get('isa')} available={rt.get('available_isas')} "
+        f"openmp={rt.get('openmp')} compiler={rt.get('compiler')}"
+    )
+    print(f"numpy {info['versions']['numpy']} ({info['numpy_blas']})")
+    print(f"torch {info['versions']['torch']};  onnxruntime {info['versions']['onnxruntime']}")
+    print(
+        "ceilings (measured now): FMA peak "
+        + (f"{fma:.1f} GFLOP/s" if fma else "n/a (pyattn._core.fma_peak_gflops missing)")
+        + ", read bandwidth "
+        + (f"{bw:.1f} GB/s" if bw else "n/a (pyattn._core.read_bandwidth_gbs missing)")
+    )
+    for line in openblas_env_warnings():
+        print(line)
+    print("dtype float32; times in ms = median over runs (min ms = fastest run); warm-up excluded")
+    print("GFLOP/s = 4*B*H*D*pairs / time: none/mask rows count all L*S pairs, causal rows only allowed pairs")
+    print("GB/s (decode rows only) = bytes of K+V / time; %bw = of the read bandwidth above")
+    print(
+        f"max err = max|pyattn - pyattn.reference (float64)|; err on 'all' = whole output, "
+        f"'b0h0' = first batch & head only (inputs sliced) when B*H*L*S > {FULL_CHECK_MAX_SCORES}"
+    )
+    if peers:
+        print(
+            f"peers: {', '.join(peers)}; '<peer> x' = peer ms / pyattn ms (> 1: pyattn faster); "
+            "'vs best' = fastest peer ms / pyattn ms"
+        )
+    print(
+        "decode causal rows: pyattn is_causal='lower_right'; torch/onnxruntime is_causal=False "
+        "(same for L=1: the query sees all S keys)"
+    )
+    print()
+
+
+# ----------------------------------------------------------------------------------------------
+# One row
+
+
+def reference_error(reference, q, k, v, mask, is_causal, out) -> tuple[float, str]:
+    """Max abs error of `out` against the float64 reference, on a slice for large rows."""
+    b, h, q_len, _ = q.shape
+    if b * h * q_len * k.shape[2] <= FULL_CHECK_MAX_SCORES:
+        part, scope = (slice(None), slice(None)), "all"
+    else:
+        part, scope = (slice(0, 1), slice(0, 1)), "b0h0"
+    ref = reference.scaled_dot_product_attention(
+        *(x[part].astype(np.float64) for x in (q, k, v)), attn_mask=mask, is_causal=is_causal
+    )
+    return float(np.max(np.abs(out[part].astype(np.float64) - ref))), scope
+
+
+def run_row(pyattn, case, variant, inputs, mask, peers, args, ceilings) -> dict:
+    """Time pyattn and every peer on one (case, variant) and return the row as a dict."""
+    q, k, v = inputs
+    timing_opts = {"min_time": args.min_time, "min_runs": args.min_runs}
+    is_causal = pyattn_is_causal(case, variant)
+    t, out = time_call(
+        lambda: pyattn.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, num_threads=args.threads
+        ),
+        **timing_opts,
+    )
+    err, err_scope = reference_error(pyattn.reference, q, k, v, mask, is_causal, out)
+    flops = flop_count(case, variant)
+    gflops = flops / t.median / 1e9
+    fma, bw = ceilings["fma_peak_gflops"], ceilings["read_bandwidth_gbs"]
+    row = {
+        "case": case.name,
+        "batch": case.batch,
+        "num_heads": case.num_heads,
+        "q_len": case.q_len,
+        "kv_len": case.kv_len,
+        "head_dim": case.head_dim,
+        "variant": variant,
+        "is_causal": is_causal,
+        "allowed_pairs": allowed_pairs(case, variant),
+        "flops": flops,
+        "pyattn_ms": t.median * 1e3,
+        "pyattn_min_ms": t.min * 1e3,
+        "pyattn_runs": t.runs,
+        "gflops": gflops,
+        "pct_fma_peak": 100 * gflops / fma if fma else None,
+        "kv_gbs": kv_bytes(case) / t.median / 1e9 if case.is_decode else None,
+        "max_abs_err": err,
+        "err_scope": err_scope,
+        "peers": {},
+    }
+    row["pct_read_bw"] = 100 * row["kv_gbs"] / bw if (bw and row["kv_gbs"]) else None
+    for name in peers:
+        peer = run_peer(name, case, variant, q, k, v, mask, out, args, timing_opts)
+        if "median_ms" in peer:
+            peer["ratio"] = peer["median_ms"] / row["pyattn_ms"]
+        row["peers"][name] = peer
+    timed = {n: p for n, p in row["peers"].items() if "ratio" in p}
+    if timed:
+        best = min(timed, key=lambda n: timed[n]["median_ms"])
+        row["best_peer"], row["vs_best_peer"] = best, timed[best]["ratio"]
+    return row
+
+
+def run_peer(name, case, variant, q, k, v, mask, pyattn_out, args, timing_opts) -> dict:
+    """Time one peer; a peer that fails is reported (error string), not fatal."""
+    try:
+        fn = PEER_FACTORIES[name](case, variant, q, k, v, mask, args.threads)
+        with args.blas_limit() if name == "numpy" else contextlib.nullcontext():
+            t, res = time_call(fn, **timing_opts)
+    except Exception as exc:  # noqa: BLE001  (an optional peer must not stop the bench)
+        print(f"  note: peer {name} failed on {case.name}/{variant}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    diff = float(np.max(np.abs(np.asarray(res, dtype=np.float64) - pyattn_out)))
+    if not diff <= PEER_AGREEMENT_TOL:
+        print(f"  note: {name} differs from pyattn by {diff:.2e} on {case.name}/{variant}", file=sys.stderr)
+    return {
+        "median_ms": t.median * 1e3,
+        "min_ms": t.min * 1e3,
+        "runs": t.runs,
+        "max_diff_vs_pyattn": diff,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Table
+
+
+def fmt_ms(ms: float | None) -> str:
+    """Milliseconds with ~3-4 significant digits."""
+    if ms is None:
+        return "-"
+    for limit, spec in ((100, ".0f"), (10, ".1f"), (1, ".2f")):
+        if ms >= limit:
+            return format(ms, spec)
+    return format(ms, ".3f")
+
+
+def make_table(peers: list[str]) -> Table:
+    cols = [
+        Column("case", 18, right=False),
+        Column("variant", 7, right=False),
+        Column("pyattn ms", 9),
+        Column("min ms", 8),
+        Column("GFLOP/s", 7),
+        Column("%peak", 5),
+        Column("GB/s", 5),
+        Column("%bw", 4),
+        Column("max err", 7),
+        Column("err on", 6, right=False),
+    ]
+    for name in peers:
+        cols += [Column(f"{name} ms", 8), Column(f"{name} x", 5)]
+    if peers:
+        cols.append(Column("vs best", 12, right=False))
+    return Table(cols)
+
+
+def row_cells(row: dict, peers: list[str]) -> list[str]:
+    cells = [
+        row["case"],
+        row["variant"],
+        fmt_ms(row["pyattn_ms"]),
+        fmt_ms(row["pyattn_min_ms"]),
+        fmt(row["gflops"], ".1f"),
+        fmt(row["pct_fma_peak"], ".0f"),
+        fmt(row["kv_gbs"], ".1f"),
+        fmt(row["pct_read_bw"], ".0f"),
+        fmt(row["max_abs_err"], ".1e"),
+        row["err_scope"],
+    ]
+    for name in peers:
+        p = row["peers"].get(name, {})
+        cells += [fmt_ms(p.get("median_ms")), fmt(p.get("ratio"), ".2f")]
+    if peers:
+        best = row.get("best_peer")
+        cells.append(f"{row['vs_best_peer']:.2f} ({best})" if best else "-")
+    return cells
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Time pyattn.scaled_dot_product_attention against NumPy, PyTorch and onnxruntime "
+        "(float32, same thread count) on the DESIGN shape suite.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "environment:\n"
+            "  OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE may be set on this machine and slow NumPy's BLAS\n"
+            "  (the numpy peer). This script never changes them; unset them in the command instead:\n"
+            "    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_sdpa.py\n"
+            "  A warning line is printed when either is set. Without threadpoolctl the numpy peer's BLAS\n"
+            "  thread count is not controlled; add OPENBLAS_NUM_THREADS=N to the command to pin it.\n\n"
+            f"shape names: {', '.join(c.name for c in SUITE)}"
+        ),
+    )
+    parser.add_argument("--threads", type=int, default=os.cpu_count(),
+                        help="threads for every library (default: os.cpu_count() = %(default)s)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"smoke test: shapes {', '.join(QUICK_SUITE)} and few runs (< 30 s)")
+    parser.add_argument("--shapes", default=None,
+                        help="comma-separated filters; a shape runs if any filter is a substring of its name "
+                        "(e.g. '1x16x1024x64,S=16384') or the filter is 'decode' and L == 1")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated subset of %(default)s")
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help="comma-separated subset of %(default)s (missing libraries are skipped)")
+    parser.add_argument("--isa", default=None, help="force a pyattn ISA via pyattn._core._set_isa (e.g. avx2)")
+    parser.add_argument("--min-time", type=float, default=None,
+                        help="timed seconds per library and row (default 0.3, --quick 0.05)")
+    parser.add_argument("--min-runs", type=int, default=None, help="minimum timed runs (default 5, --quick 3)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed for inputs and masks")
+    parser.add_argument("--json", metavar="PATH", default=None, help="save machine info and all rows as JSON")
+    parser.add_argument("--markdown", action="store_true", help="also print the table as Markdown at the end")
+    args = parser.parse_args(argv)
+    if args.threads is None or args.threads < 1:
+        parser.error("--threads must be >= 1")
+    if args.min_time is None:
+        args.min_time = 0.05 if args.quick else 0.3
+    if args.min_runs is None:
+        args.min_runs = 3 if args.quick else 5
+    args.variants = _split(args.variants, VARIANTS, parser, "--variants")
+    args.peers = _split(args.peers, PEERS, parser, "--peers")
+    return args
+
+
+def _split(text: str, allowed: tuple[str, ...], parser, flag: str) -> list[str]:
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in items if s not in allowed]
+    if bad:
+        parser.error(f"{flag}: unknown {bad}; choose from {list(allowed)}")
+    return items
+
+
+def select_cases(args) -> list[Case]:
+    cases = [c for c in SUITE if c.name in QUICK_SUITE] if args.quick else list(SUITE)
+    if args.shapes:
+        filters = [f.strip() for f in args.shapes.split(",") if f.strip()]
+        cases = [c for c in cases if any(f in c.name or (f == "decode" and c.is_decode) for f in filters)]
+    return cases
+
+
+def import_pyattn(isa: str | None):
+    try:
+        import pyattn
+        import pyattn.reference  # noqa: F401
+    except ImportError as exc:
+        sys.exit(f"bench_sdpa: cannot import pyattn ({exc}); install it first (pip install -e .)")
+    if isa is not None:
+        try:
+            pyattn._core._set_isa(isa)
+        except ValueError as exc:
+            sys.exit(f"bench_sdpa: --isa {isa}: {exc}")
+    return pyattn
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    pyattn = import_pyattn(args.isa)
+    cases = select_cases(args)
+    if not cases:
+        sys.exit("bench_sdpa: no shape matches --shapes")
+    peers, versions = detect_peers(args.peers)
+    args.blas_limit, blas_threads = blas_thread_limiter(args.threads)
+    ceilings = measure_ceilings(pyattn._core, args.threads, args.quick)
+    info = machine_info(pyattn, args.threads, versions, blas_threads, ceilings, args)
+    print_header(info, peers)
+
+    table = make_table(peers)
+    print(table.header(), flush=True)
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    for case in cases:
+        inputs = make_inputs(case, rng)
+        for variant in args.variants:
+            mask = make_padding_mask(case.q_len, case.kv_len, rng) if variant == "mask" else None
+            row = run_row(pyattn, case, variant, inputs, mask, peers, args, ceilings)
+            rows.append(row)
+            print(table.add(row_cells(row, peers)), flush=True)
+
+    if args.markdown:
+        print()
+        print(table.markdown())
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"machine": info, "results": rows}, f, indent=1)
+        print(f"\nsaved {len(rows)} rows to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

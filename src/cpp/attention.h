@@ -1,0 +1,131 @@
+// SPDX-License-Identifier: MIT
+// pyattn C++ contract: the plain argument struct the binding fills, the per-ISA kernel table,
+// and the driver's entry points. No pybind11 and no STL containers here, so every translation unit
+// (including the per-ISA kernel objects, compiled with different flags) can include it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace pyattn {
+
+enum class MaskKind : int { none = 0, boolean = 1, additive = 2 };
+
+// One scaled-dot-product-attention call, flattened to (batch*heads) independent heads.
+// Every array is addressed as base + offset[bh] + row * row_stride + column, in elements; the last
+// axis of q, k, v, out, weights is contiguous. The offsets already encode batch broadcasting and GQA
+// (query head h reads key/value head h / group), so kernels never see either.
+template <class T>
+struct AttnArgs {
+  const T* q = nullptr;
+  const T* k = nullptr;
+  const T* v = nullptr;
+  T* out = nullptr;      // C-contiguous (batch_heads, q_len, value_dim)
+  T* weights = nullptr;  // nullptr, or C-contiguous (batch_heads, q_len, kv_len)
+  const void* mask = nullptr;  // bool (uint8, nonzero = may attend) or T (added to scaled scores)
+  MaskKind mask_kind = MaskKind::none;
+
+  const int64_t* q_offset = nullptr;     // [batch_heads]
+  const int64_t* k_offset = nullptr;     // [batch_heads]
+  const int64_t* v_offset = nullptr;     // [batch_heads]
+  const int64_t* mask_offset = nullptr;  // [batch_heads] when mask_kind != none
+
+  int64_t q_stride_l = 0;
+  int64_t k_stride_s = 0;
+  int64_t v_stride_s = 0;
+  int64_t mask_stride_l = 0;  // may be 0 (broadcast) or negative
+  int64_t mask_stride_s = 0;  // may be 0 (broadcast) or negative
+
+  int64_t batch_heads = 0;
+  int64_t q_len = 0;
+  int64_t kv_len = 0;
+  int64_t head_dim = 0;
+  int64_t value_dim = 0;
+
+  bool causal = false;
+  int64_t causal_offset = 0;  // query i may see keys j <= i + causal_offset
+
+  double scale = 1.0;  // multiplies q.k before the mask is added
+};
+
+// The running state of the online softmax for one block of query rows, laid out with query rows
+// along SIMD lanes: acc is (value_dim x block_rows) i.e. transposed output, m and l are per row,
+// in log2 units (scores are pre-multiplied by log2(e) so the kernel can use exp2).
+template <class T>
+struct RowState {
+  T* acc;  // [value_dim * block_rows]
+  T* m;    // [block_rows] running max of the scaled scores (log2 units); -inf = nothing seen yet
+  T* l;    // [block_rows] running sum of exp2(score - m)
+};
+
+// Per-thread working memory of one kernel invocation; sizes come from KernelSet::scratch_elems.
+template <class T>
+struct Scratch {
+  T* qt;      // [head_dim * block_rows]      query block, transposed and pre-scaled
+  T* st;      // [key_block * block_rows]     scores, then probabilities, transposed
+  RowState<T> state;
+};
+
+// Work item: query rows [i0, i0 + rows) of head bh against keys [j_begin, j_end).
+struct Tile {
+  int64_t bh;
+  int64_t i0;
+  int64_t rows;
+  int64_t j_begin;
+  int64_t j_end;
+};
+
+// Kernels of one ISA for one dtype. Single-threaded, allocation-free, no exceptions.
+template <class T>
+struct KernelSet {
+  int lanes;           // SIMD width in elements of T
+  int row_vecs;        // query-row vectors per register tile; block_rows = lanes * row_vecs (or lanes)
+  // Keys processed per online-softmax step for a given block_rows.
+  int64_t (*key_block)(int64_t block_rows);
+  // Online-softmax attention of one tile into `s.state` (which it initialises).
+  // block_rows is lanes or lanes*row_vecs (the caller picks; small q_len uses the narrow variant).
+  void (*attend)(const AttnArgs<T>& a, const Tile& t, int64_t block_rows, Scratch<T>& s);
+  // Writes normalised softmax weights of the tile's rows for all keys, from the final state.
+  void (*write_weights)(const AttnArgs<T>& a, const Tile& t, int64_t block_rows, Scratch<T>& s);
+};
+
+struct KernelTable {
+  const char* name;
+  KernelSet<float> f32;
+  KernelSet<double> f64;
+  // Machine ceilings for the benchmark: a register-only FMA loop (returns flops done) and a
+  // streaming read of n floats (returns a checksum so the loop cannot be removed).
+  double (*fma_loop)(int64_t iterations);
+  double (*read_sum)(const float* data, int64_t n);
+};
+
+// Per-ISA tables (defined in kernels_<isa>.cpp).
+namespace generic { const KernelTable& kernel_table(); }
+#if defined(PYATTN_HAVE_AVX2)
+namespace avx2 { const KernelTable& kernel_table(); }
+#endif
+#if defined(PYATTN_HAVE_AVX512)
+namespace avx512 { const KernelTable& kernel_table(); }
+#endif
+
+// dispatch.cpp
+const KernelTable& active_kernels();
+const char* active_isa();
+// Names compiled into this build and supported by this CPU, best last; returns the count.
+int available_isas(const char** names, int capacity);
+// Forces an ISA by name; returns false (and leaves the current choice) if unknown or unsupported.
+bool set_isa(const char* name);
+bool cpu_supports(const char* name);
+bool isa_compiled(const char* name);
+
+// attention.cpp: the driver (owns the only OpenMP parallel region).
+template <class T>
+void scaled_dot_product_attention(const AttnArgs<T>& a, int num_threads);
+int default_num_threads();
+void set_default_num_threads(int n);  // 0 = unset (OpenMP default)
+bool openmp_enabled();
+const char* openmp_runtime();
+double fma_peak_gflops(int num_threads, double seconds);
+double read_bandwidth_gbs(int num_threads, int64_t nbytes);
+
+}  // namespace pyattn

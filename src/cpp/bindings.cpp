@@ -1,0 +1,264 @@
+// SPDX-License-Identifier: MIT
+// pybind11 module pyattn._core: a translator between NumPy arrays and the driver.
+//
+// src/pyattn/_api.py owns the user-facing contract (shapes, broadcasting, dtype policy, messages).
+// This file re-checks every invariant the C++ side relies on, cheaply and before the GIL is
+// released: dtypes, output layout, and that every row the kernels will touch lies inside the array it
+// belongs to (so no combination of arguments can make the core read or write out of bounds). Then it
+// fills AttnArgs, releases the GIL and calls the driver. No dtype conversion happens here: a silent
+// copy would hide layout bugs.
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "attention.h"
+
+namespace py = pybind11;
+
+namespace pyattn {
+namespace {
+
+[[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument(msg); }
+
+int64_t checked_mul(int64_t a, int64_t b) {
+  int64_t r;
+  if (__builtin_mul_overflow(a, b, &r)) fail("size computation overflows int64");
+  return r;
+}
+
+int64_t checked_add(int64_t a, int64_t b) {
+  int64_t r;
+  if (__builtin_add_overflow(a, b, &r)) fail("size computation overflows int64");
+  return r;
+}
+
+// Byte range [lo, hi) that an array's elements occupy, relative to its data pointer.
+struct Extent {
+  int64_t lo = 0, hi = 0;
+  bool empty = false;
+};
+
+Extent extent_of(const py::array& arr) {
+  Extent e;
+  int64_t lo = 0, hi = 0;
+  for (py::ssize_t d = 0; d < arr.ndim(); ++d) {
+    const int64_t n = arr.shape(d), st = arr.strides(d);
+    if (n == 0) e.empty = true;
+    const int64_t span = checked_mul(n > 0 ? n - 1 : 0, st);
+    if (span < 0) lo = checked_add(lo, span);
+    else hi = checked_add(hi, span);
+  }
+  e.lo = lo;
+  e.hi = checked_add(hi, arr.itemsize());
+  return e;
+}
+
+// Checks that for every bh, the 2-D block base + off[bh] + r*stride_r + c*stride_c (r < rows,
+// c < cols, elements of `itemsize` bytes) lies inside `arr`.
+void check_block(const char* name, const py::array& arr, const int64_t* off, int64_t count, int64_t rows,
+                 int64_t stride_r, int64_t cols, int64_t stride_c) {
+  if (rows == 0 || cols == 0 || count == 0) return;
+  const Extent e = extent_of(arr);
+  if (e.empty) fail(std::string(name) + ": empty array cannot supply the requested rows");
+  const int64_t item = arr.itemsize();
+  const int64_t span_r = checked_mul(rows - 1, stride_r), span_c = checked_mul(cols - 1, stride_c);
+  const int64_t min_rel = (span_r < 0 ? span_r : 0) + (span_c < 0 ? span_c : 0);
+  const int64_t max_rel = (span_r > 0 ? span_r : 0) + (span_c > 0 ? span_c : 0);
+  for (int64_t n = 0; n < count; ++n) {
+    const int64_t lo = checked_mul(checked_add(off[n], min_rel), item);
+    const int64_t hi = checked_add(checked_mul(checked_add(off[n], max_rel), item), item);
+    if (lo < e.lo || hi > e.hi) fail(std::string(name) + ": offsets/strides reach outside the array");
+  }
+}
+
+bool is_float32(const py::array& a) { return a.dtype().is(py::dtype::of<float>()); }
+bool is_float64(const py::array& a) { return a.dtype().is(py::dtype::of<double>()); }
+bool is_bool(const py::array& a) { return a.dtype().kind() == 'b' && a.itemsize() == 1; }
+
+void check_aligned(const char* name, const py::array& arr) {
+  const int64_t item = arr.itemsize();
+  if (reinterpret_cast<uintptr_t>(arr.data()) % uintptr_t(item) != 0)
+    fail(std::string(name) + ": data pointer is not aligned to its element size");
+  for (py::ssize_t d = 0; d < arr.ndim(); ++d)
+    if (arr.shape(d) > 1 && arr.strides(d) % item != 0) fail(std::string(name) + ": strides must be multiples of the element size");
+}
+
+void check_output(const char* name, const py::array& arr, const py::dtype& dt, int64_t expected_size) {
+  if (!arr.dtype().is(dt)) fail(std::string(name) + ": dtype must match the inputs");
+  if (!(arr.flags() & py::array::c_style)) fail(std::string(name) + ": must be C-contiguous");
+  if (!arr.writeable()) fail(std::string(name) + ": must be writeable");
+  if (arr.size() != expected_size) fail(std::string(name) + ": wrong number of elements");
+}
+
+template <class T>
+void run_sdpa(const py::array& q, const py::array& k, const py::array& v, const py::object& mask_obj,
+              py::array& out, const py::object& weights_obj, const py::array_t<int64_t>& offsets,
+              const std::vector<int64_t>& strides, const std::vector<int64_t>& dims, int64_t causal,
+              int64_t causal_offset, double scale, int num_threads) {
+  AttnArgs<T> a;
+  a.batch_heads = dims[0];
+  a.q_len = dims[1];
+  a.kv_len = dims[2];
+  a.head_dim = dims[3];
+  a.value_dim = dims[4];
+  for (int64_t d : dims)
+    if (d < 0) fail("dims must be non-negative");
+  a.q_stride_l = strides[0];
+  a.k_stride_s = strides[1];
+  a.v_stride_s = strides[2];
+  a.mask_stride_l = strides[3];
+  a.mask_stride_s = strides[4];
+  a.causal = causal != 0;
+  a.causal_offset = causal_offset;
+  a.scale = scale;
+
+  if (offsets.ndim() != 2 || offsets.shape(0) != 4 || offsets.shape(1) != a.batch_heads ||
+      !(offsets.flags() & py::array::c_style))
+    fail("offsets must be a C-contiguous int64 array of shape (4, batch_heads)");
+  const int64_t* off = offsets.data();
+  a.q_offset = off;
+  a.k_offset = off + a.batch_heads;
+  a.v_offset = off + 2 * a.batch_heads;
+  a.mask_offset = off + 3 * a.batch_heads;
+
+  check_aligned("query", q);
+  check_aligned("key", k);
+  check_aligned("value", v);
+  check_block("query", q, a.q_offset, a.batch_heads, a.q_len, a.q_stride_l, a.head_dim, 1);
+  check_block("key", k, a.k_offset, a.batch_heads, a.kv_len, a.k_stride_s, a.head_dim, 1);
+  check_block("value", v, a.v_offset, a.batch_heads, a.kv_len, a.v_stride_s, a.value_dim, 1);
+  a.q = static_cast<const T*>(q.data());
+  a.k = static_cast<const T*>(k.data());
+  a.v = static_cast<const T*>(v.data());
+
+  py::array mask;
+  if (!mask_obj.is_none()) {
+    mask = py::reinterpret_borrow<py::array>(mask_obj);
+    if (is_bool(mask)) a.mask_kind = MaskKind::boolean;
+    else if (mask.dtype().is(q.dtype())) a.mask_kind = MaskKind::additive;
+    else fail("attn_mask: dtype must be bool or the query's dtype");
+    check_aligned("attn_mask", mask);
+    check_block("attn_mask", mask, a.mask_offset, a.batch_heads, a.q_len, a.mask_stride_l, a.kv_len,
+                a.mask_stride_s);
+    a.mask = mask.data();
+  }
+
+  const int64_t out_size = checked_mul(checked_mul(a.batch_heads, a.q_len), a.value_dim);
+  check_output("out", out, q.dtype(), out_size);
+  a.out = static_cast<T*>(out.mutable_data());
+  py::array weights;
+  if (!weights_obj.is_none()) {
+    weights = py::reinterpret_borrow<py::array>(weights_obj);
+    check_output("weights", weights, q.dtype(), checked_mul(checked_mul(a.batch_heads, a.q_len), a.kv_len));
+    a.weights = static_cast<T*>(weights.mutable_data());
+  }
+  if (num_threads < 0) fail("num_threads must be >= 1 (or 0 for the default)");
+
+  py::gil_scoped_release release;
+  scaled_dot_product_attention<T>(a, num_threads);
+}
+
+void sdpa(const py::array& q, const py::array& k, const py::array& v, const py::object& mask,
+          py::array out, const py::object& weights, const py::array_t<int64_t>& offsets,
+          const std::vector<int64_t>& strides, const std::vector<int64_t>& dims, int64_t causal,
+          int64_t causal_offset, double scale, int num_threads) {
+  if (strides.size() != 5) fail("strides must have 5 entries");
+  if (dims.size() != 5) fail("dims must have 5 entries");
+  if (!q.dtype().is(k.dtype()) || !q.dtype().is(v.dtype())) fail("query, key and value must share one dtype");
+  if (is_float32(q))
+    run_sdpa<float>(q, k, v, mask, out, weights, offsets, strides, dims, causal, causal_offset, scale, num_threads);
+  else if (is_float64(q))
+    run_sdpa<double>(q, k, v, mask, out, weights, offsets, strides, dims, causal, causal_offset, scale, num_threads);
+  else
+    fail("query: dtype must be float32 or float64");
+}
+
+std::vector<std::string> isa_list() {
+  const char* names[8];
+  const int n = available_isas(names, 8);
+  return std::vector<std::string>(names, names + n);
+}
+
+std::string compiler_string() {
+#if defined(__clang__)
+  return std::string("clang ") + __clang_version__;
+#elif defined(__GNUC__)
+  return std::string("gcc ") + __VERSION__;
+#elif defined(_MSC_VER)
+  return "msvc " + std::to_string(_MSC_VER);
+#else
+  return "unknown";
+#endif
+}
+
+void apply_env_isa() {
+  const char* env = std::getenv("PYATTN_ISA");
+  if (!env || !*env) return;
+  if (!isa_compiled(env)) {
+    std::string built;
+    for (const auto& n : isa_list()) built += (built.empty() ? "" : ", ") + n;
+    throw py::import_error("PYATTN_ISA='" + std::string(env) + "' is not an ISA this build of pyattn has; use one of: " + built);
+  }
+  if (!set_isa(env)) {
+    std::string avail;
+    for (const auto& n : isa_list()) avail += (avail.empty() ? "" : ", ") + n;
+    throw py::import_error("PYATTN_ISA='" + std::string(env) + "' is not supported by this CPU; available: " + avail);
+  }
+}
+
+}  // namespace
+}  // namespace pyattn
+
+PYBIND11_MODULE(_core, m) {
+  using namespace pyattn;
+  m.doc() = "pyattn compiled core (private: use the functions of the pyattn package)";
+  apply_env_isa();
+
+  m.def("sdpa", &sdpa, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("mask"), py::arg("out"),
+        py::arg("weights"), py::arg("offsets"), py::arg("strides"), py::arg("dims"), py::arg("causal"),
+        py::arg("causal_offset"), py::arg("scale"), py::arg("num_threads"),
+        "Low-level attention entry; arguments prepared by pyattn._api.");
+  m.def("isa", []() { return std::string(active_isa()); }, "Name of the kernel ISA in use.");
+  m.def("available_isas", &isa_list, "ISAs compiled into this build and supported by this CPU, worst to best.");
+  m.def(
+      "_set_isa",
+      [](const std::string& name) {
+        if (!isa_compiled(name.c_str())) throw py::value_error("isa: unknown ISA '" + name + "'");
+        if (!set_isa(name.c_str())) throw py::value_error("isa: this CPU does not support '" + name + "'");
+      },
+      py::arg("name"), "Force a kernel ISA (for tests and benchmarks).");
+  m.def("set_num_threads", [](int n) {
+    if (n < 0) throw py::value_error("num_threads must be >= 1, or 0 to restore the default");
+    set_default_num_threads(n);
+  });
+  m.def("get_num_threads", &default_num_threads);
+  m.def("openmp_runtime", []() { return std::string(openmp_runtime()); });
+  m.def("openmp_enabled", &openmp_enabled);
+  m.def("compiler", &compiler_string);
+  m.def(
+      "fma_peak_gflops",
+      [](int threads, double seconds) {
+        py::gil_scoped_release release;
+        return fma_peak_gflops(threads, seconds);
+      },
+      py::arg("num_threads"), py::arg("seconds") = 0.5, "float32 FMA throughput of the active ISA, GFLOP/s.");
+  m.def(
+      "read_bandwidth_gbs",
+      [](int threads, int64_t nbytes) {
+        if (nbytes <= 0) throw py::value_error("nbytes must be positive");
+        py::gil_scoped_release release;
+        return read_bandwidth_gbs(threads, nbytes);
+      },
+      py::arg("num_threads"), py::arg("nbytes") = int64_t(1) << 30, "Streaming read bandwidth, GB/s (best of 5).");
+#if defined(PYATTN_VERSION)
+  m.attr("__version__") = PYATTN_VERSION;
+#endif
+}

@@ -1,0 +1,155 @@
+// SPDX-License-Identifier: MIT
+// Runtime ISA dispatch: probe the CPU once, pick the best compiled kernel table, let PYATTN_ISA or
+// the tests force another. The probe checks both the CPUID feature bits and that the OS saves the
+// wider register state (XGETBV), since a CPU flag alone does not make AVX usable.
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+#include "attention.h"
+
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__) || defined(_M_IX86)
+#define PYATTN_X86 1
+#if defined(_MSC_VER)
+#include <intrin.h>
+#include <immintrin.h>
+#else
+#include <cpuid.h>
+#endif
+#endif
+
+namespace pyattn {
+namespace {
+
+struct CpuFeatures {
+  bool avx2 = false;     // AVX2 + FMA, with YMM state enabled by the OS
+  bool avx512 = false;   // AVX-512F, with ZMM/opmask state enabled by the OS
+};
+
+#if defined(PYATTN_X86)
+void cpuid(unsigned leaf, unsigned sub, unsigned regs[4]) {
+#if defined(_MSC_VER)
+  int r[4];
+  __cpuidex(r, int(leaf), int(sub));
+  for (int i = 0; i < 4; ++i) regs[i] = unsigned(r[i]);
+#else
+  __cpuid_count(leaf, sub, regs[0], regs[1], regs[2], regs[3]);
+#endif
+}
+
+unsigned long long xgetbv0() {
+#if defined(_MSC_VER)
+  return _xgetbv(0);
+#else
+  unsigned lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (static_cast<unsigned long long>(hi) << 32) | lo;
+#endif
+}
+#endif
+
+CpuFeatures probe() {
+  CpuFeatures f;
+#if defined(PYATTN_X86)
+  unsigned r[4];
+  cpuid(0, 0, r);
+  const unsigned max_leaf = r[0];
+  if (max_leaf < 7) return f;
+  cpuid(1, 0, r);
+  const bool fma = (r[2] >> 12) & 1, osxsave = (r[2] >> 27) & 1, avx = (r[2] >> 28) & 1;
+  if (!osxsave || !avx) return f;
+  const unsigned long long xcr0 = xgetbv0();
+  const bool ymm_state = (xcr0 & 0x6) == 0x6;     // SSE + AVX state
+  const bool zmm_state = (xcr0 & 0xE6) == 0xE6;   // + opmask, ZMM_Hi256, Hi16_ZMM
+  cpuid(7, 0, r);
+  const bool avx2 = (r[1] >> 5) & 1, avx512f = (r[1] >> 16) & 1;
+  f.avx2 = avx2 && fma && ymm_state;
+  f.avx512 = f.avx2 && avx512f && zmm_state;
+#endif
+  return f;
+}
+
+const CpuFeatures& features() {
+  static const CpuFeatures f = probe();
+  return f;
+}
+
+struct Entry {
+  const char* name;
+  const KernelTable* (*table)();
+};
+
+const KernelTable* generic_table() { return &generic::kernel_table(); }
+#if defined(PYATTN_HAVE_AVX2)
+const KernelTable* avx2_table() { return &avx2::kernel_table(); }
+#endif
+#if defined(PYATTN_HAVE_AVX512)
+const KernelTable* avx512_table() { return &avx512::kernel_table(); }
+#endif
+
+// Compiled ISAs, worst to best.
+const Entry kEntries[] = {
+    {"generic", &generic_table},
+#if defined(PYATTN_HAVE_AVX2)
+    {"avx2", &avx2_table},
+#endif
+#if defined(PYATTN_HAVE_AVX512)
+    {"avx512", &avx512_table},
+#endif
+};
+constexpr int kNumEntries = int(sizeof(kEntries) / sizeof(kEntries[0]));
+
+const Entry* find(const char* name) {
+  for (const Entry& e : kEntries)
+    if (std::strcmp(e.name, name) == 0) return &e;
+  return nullptr;
+}
+
+// The best ISA this CPU runs, chosen once.
+const KernelTable* best() {
+  const KernelTable* t = nullptr;
+  for (const Entry& e : kEntries)
+    if (cpu_supports(e.name)) t = e.table();
+  return t;
+}
+
+std::atomic<const KernelTable*> g_active{nullptr};
+
+}  // namespace
+
+bool cpu_supports(const char* name) {
+  if (std::strcmp(name, "generic") == 0) return true;
+  if (std::strcmp(name, "avx2") == 0) return features().avx2;
+  if (std::strcmp(name, "avx512") == 0) return features().avx512;
+  return false;
+}
+
+bool isa_compiled(const char* name) { return find(name) != nullptr; }
+
+const KernelTable& active_kernels() {
+  const KernelTable* t = g_active.load(std::memory_order_acquire);
+  if (!t) {
+    t = best();
+    g_active.store(t, std::memory_order_release);
+  }
+  return *t;
+}
+
+const char* active_isa() { return active_kernels().name; }
+
+int available_isas(const char** names, int capacity) {
+  int n = 0;
+  for (int i = 0; i < kNumEntries && n < capacity; ++i)
+    if (cpu_supports(kEntries[i].name)) names[n++] = kEntries[i].name;
+  return n;
+}
+
+bool set_isa(const char* name) {
+  const Entry* e = find(name);
+  if (!e || !cpu_supports(name)) return false;
+  g_active.store(e->table(), std::memory_order_release);
+  return true;
+}
+
+}  // namespace pyattn

@@ -1,0 +1,224 @@
+// SPDX-License-Identifier: MIT
+// The small SIMD vocabulary the kernels are written against, one flavour per ISA.
+//
+// kernels.inc is compiled once per ISA (kernels_<isa>.cpp sets PYATTN_ISA_NS and a PYATTN_SIMD_*
+// macro, CMake gives the file its -m flags). This header turns that choice into Simd<float> and
+// Simd<double>: a register type, its lane count, the register-tile shape of the micro-kernels, and
+// the dozen operations they need. Every ISA difference lives here and nowhere else.
+//
+// Tile shape: the micro-kernels keep `row_vecs` vectors of query rows times `col_tile` keys (or value
+// columns) of accumulators in registers; accumulators + row_vecs loads + 1 broadcast must fit the
+// register file (32 zmm, 16 ymm) and give at least latency x FMA-ports independent chains
+// (Zen 4: 4 cycles x 2 ymm pipes = 8 ymm chains, or 4 zmm chains since a zmm FMA takes both pipes).
+//
+// exp2: 2^x = 2^n * 2^f with n = round(x), f = x - n in [-1/2, 1/2] (exact, no ln2 splitting needed
+// because the kernels work in log2 units), 2^f by its Taylor polynomial in f*ln2 (degree 7 for float:
+// truncation error < 6e-9, below float's half ULP; degree 13 for double: < 6e-18), and 2^n built
+// directly in the exponent bits: adding 1.5*2^23 + 127 (float) rounds x to an integer in the low
+// mantissa bits already biased, so a left shift by the mantissa width is 2^n. Domain: the kernels
+// only call it with x <= 0 (score minus running max) or NaN; x < -126 (float) / -1022 (double) return
+// exactly 0 (weights below 2^-126 of the row maximum), NaN returns NaN.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#if defined(PYATTN_SIMD_AVX512) || defined(PYATTN_SIMD_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace pyattn {
+namespace PYATTN_ISA_NS {
+
+// Taylor coefficient ln2^k / k!, evaluated at compile time.
+constexpr double exp2_coeff(int k) {
+  double c = 1.0;
+  for (int i = 1; i <= k; ++i) c *= 0.693147180559945309417232121458176568 / i;
+  return c;
+}
+
+template <class T>
+struct Simd;
+
+#if defined(PYATTN_SIMD_AVX512)
+
+template <>
+struct Simd<float> {
+  using reg = __m512;
+  static constexpr int lanes = 16;
+  static constexpr int row_vecs = 4;  // 4x4 zmm accumulators: 16 chains, 8 loads per 16 FMAs
+  static constexpr int col_tile = 4;
+  static reg zero() { return _mm512_setzero_ps(); }
+  static reg set1(float x) { return _mm512_set1_ps(x); }
+  static reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, reg x) { _mm512_storeu_ps(p, x); }
+  static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
+  static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
+  // c + a*b in the lanes where a != 0 (NaN counts as nonzero), c elsewhere.
+  static reg fma_nonzero(reg a, reg b, reg c) {
+    return _mm512_mask3_fmadd_ps(a, b, c, _mm512_cmp_ps_mask(a, zero(), _CMP_NEQ_UQ));
+  }
+  static reg neg_inf_to_zero(reg x) {
+    const __mmask16 k = _mm512_cmp_ps_mask(x, set1(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
+    return _mm512_mask_blend_ps(k, x, zero());
+  }
+  static reg exp2(reg x) {
+    const reg xc = _mm512_max_ps(set1(-126.0f), x);  // second operand wins on NaN: NaN stays NaN
+    const reg t = add(xc, set1(12582912.0f + 127.0f));
+    const reg f = sub(xc, sub(t, set1(12582912.0f + 127.0f)));
+    reg p = set1(float(exp2_coeff(7)));
+    p = fma(p, f, set1(float(exp2_coeff(6))));
+    p = fma(p, f, set1(float(exp2_coeff(5))));
+    p = fma(p, f, set1(float(exp2_coeff(4))));
+    p = fma(p, f, set1(float(exp2_coeff(3))));
+    p = fma(p, f, set1(float(exp2_coeff(2))));
+    p = fma(p, f, set1(float(exp2_coeff(1))));
+    p = fma(p, f, set1(1.0f));
+    const reg pow2n = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(t), 23));
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, set1(-126.0f), _CMP_LT_OQ);
+    return _mm512_mask_blend_ps(tiny, mul(p, pow2n), zero());
+  }
+};
+
+template <>
+struct Simd<double> {
+  using reg = __m512d;
+  static constexpr int lanes = 8;
+  static constexpr int row_vecs = 4;
+  static constexpr int col_tile = 4;
+  static reg zero() { return _mm512_setzero_pd(); }
+  static reg set1(double x) { return _mm512_set1_pd(x); }
+  static reg load(const double* p) { return _mm512_loadu_pd(p); }
+  static void store(double* p, reg x) { _mm512_storeu_pd(p, x); }
+  static reg add(reg a, reg b) { return _mm512_add_pd(a, b); }
+  static reg sub(reg a, reg b) { return _mm512_sub_pd(a, b); }
+  static reg mul(reg a, reg b) { return _mm512_mul_pd(a, b); }
+  static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_pd(a, b, c); }
+  static reg max(reg a, reg b) { return _mm512_max_pd(a, b); }
+  static reg fma_nonzero(reg a, reg b, reg c) {
+    return _mm512_mask3_fmadd_pd(a, b, c, _mm512_cmp_pd_mask(a, zero(), _CMP_NEQ_UQ));
+  }
+  static reg neg_inf_to_zero(reg x) {
+    const __mmask8 k = _mm512_cmp_pd_mask(x, set1(-std::numeric_limits<double>::infinity()), _CMP_EQ_OQ);
+    return _mm512_mask_blend_pd(k, x, zero());
+  }
+  static reg exp2(reg x) {
+    const reg xc = _mm512_max_pd(set1(-1022.0), x);
+    const reg t = add(xc, set1(6755399441055744.0 + 1023.0));
+    const reg f = sub(xc, sub(t, set1(6755399441055744.0 + 1023.0)));
+    reg p = set1(exp2_coeff(13));
+    for (int k = 12; k >= 1; --k) p = fma(p, f, set1(exp2_coeff(k)));
+    p = fma(p, f, set1(1.0));
+    const reg pow2n = _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_castpd_si512(t), 52));
+    const __mmask8 tiny = _mm512_cmp_pd_mask(x, set1(-1022.0), _CMP_LT_OQ);
+    return _mm512_mask_blend_pd(tiny, mul(p, pow2n), zero());
+  }
+};
+
+#elif defined(PYATTN_SIMD_AVX2)
+
+template <>
+struct Simd<float> {
+  using reg = __m256;
+  static constexpr int lanes = 8;
+  static constexpr int row_vecs = 2;  // 2x6 ymm accumulators + 2 loads + 1 broadcast = 15 of 16 registers
+  static constexpr int col_tile = 6;
+  static reg zero() { return _mm256_setzero_ps(); }
+  static reg set1(float x) { return _mm256_set1_ps(x); }
+  static reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, reg x) { _mm256_storeu_ps(p, x); }
+  static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
+  static reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
+  static reg fma_nonzero(reg a, reg b, reg c) {
+    return _mm256_blendv_ps(c, fma(a, b, c), _mm256_cmp_ps(a, zero(), _CMP_NEQ_UQ));
+  }
+  static reg neg_inf_to_zero(reg x) {
+    const reg is_ninf = _mm256_cmp_ps(x, set1(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
+    return _mm256_blendv_ps(x, zero(), is_ninf);
+  }
+  static reg exp2(reg x) {
+    const reg xc = _mm256_max_ps(set1(-126.0f), x);
+    const reg t = add(xc, set1(12582912.0f + 127.0f));
+    const reg f = sub(xc, sub(t, set1(12582912.0f + 127.0f)));
+    reg p = set1(float(exp2_coeff(7)));
+    p = fma(p, f, set1(float(exp2_coeff(6))));
+    p = fma(p, f, set1(float(exp2_coeff(5))));
+    p = fma(p, f, set1(float(exp2_coeff(4))));
+    p = fma(p, f, set1(float(exp2_coeff(3))));
+    p = fma(p, f, set1(float(exp2_coeff(2))));
+    p = fma(p, f, set1(float(exp2_coeff(1))));
+    p = fma(p, f, set1(1.0f));
+    const reg pow2n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(t), 23));
+    const reg tiny = _mm256_cmp_ps(x, set1(-126.0f), _CMP_LT_OQ);
+    return _mm256_blendv_ps(mul(p, pow2n), zero(), tiny);
+  }
+};
+
+template <>
+struct Simd<double> {
+  using reg = __m256d;
+  static constexpr int lanes = 4;
+  static constexpr int row_vecs = 2;
+  static constexpr int col_tile = 6;
+  static reg zero() { return _mm256_setzero_pd(); }
+  static reg set1(double x) { return _mm256_set1_pd(x); }
+  static reg load(const double* p) { return _mm256_loadu_pd(p); }
+  static void store(double* p, reg x) { _mm256_storeu_pd(p, x); }
+  static reg add(reg a, reg b) { return _mm256_add_pd(a, b); }
+  static reg sub(reg a, reg b) { return _mm256_sub_pd(a, b); }
+  static reg mul(reg a, reg b) { return _mm256_mul_pd(a, b); }
+  static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_pd(a, b, c); }
+  static reg max(reg a, reg b) { return _mm256_max_pd(a, b); }
+  static reg fma_nonzero(reg a, reg b, reg c) {
+    return _mm256_blendv_pd(c, fma(a, b, c), _mm256_cmp_pd(a, zero(), _CMP_NEQ_UQ));
+  }
+  static reg neg_inf_to_zero(reg x) {
+    const reg is_ninf = _mm256_cmp_pd(x, set1(-std::numeric_limits<double>::infinity()), _CMP_EQ_OQ);
+    return _mm256_blendv_pd(x, zero(), is_ninf);
+  }
+  static reg exp2(reg x) {
+    const reg xc = _mm256_max_pd(set1(-1022.0), x);
+    const reg t = add(xc, set1(6755399441055744.0 + 1023.0));
+    const reg f = sub(xc, sub(t, set1(6755399441055744.0 + 1023.0)));
+    reg p = set1(exp2_coeff(13));
+    for (int k = 12; k >= 1; --k) p = fma(p, f, set1(exp2_coeff(k)));
+    p = fma(p, f, set1(1.0));
+    const reg pow2n = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(t), 52));
+    const reg tiny = _mm256_cmp_pd(x, set1(-1022.0), _CMP_LT_OQ);
+    return _mm256_blendv_pd(mul(p, pow2n), zero(), tiny);
+  }
+};
+
+#else  // generic: one lane, plain C++ (any architecture); libm's exp2 is exact to < 1 ULP
+
+template <class T>
+struct Simd {
+  using reg = T;
+  static constexpr int lanes = 1;
+  static constexpr int row_vecs = 4;  // 4 rows x 4 keys of scalar accumulators
+  static constexpr int col_tile = 4;
+  static reg zero() { return T(0); }
+  static reg set1(T x) { return x; }
+  static reg load(const T* p) { return *p; }
+  static void store(T* p, reg x) { *p = x; }
+  static reg add(reg a, reg b) { return a + b; }
+  static reg sub(reg a, reg b) { return a - b; }
+  static reg mul(reg a, reg b) { return a * b; }
+  static reg fma(reg a, reg b, reg c) { return a * b + c; }  // not contracted: -ffp-contract=off
+  static reg max(reg a, reg b) { return a > b ? a : b; }
+  static reg fma_nonzero(reg a, reg b, reg c) { return a != T(0) ? a * b + c : c; }
+  static reg neg_inf_to_zero(reg x) { return x == -std::numeric_limits<T>::infinity() ? T(0) : x; }
+  static reg exp2(reg x) { return std::exp2(x); }
+};
+
+#endif
+
+}  // namespace PYATTN_ISA_NS
+}  // namespace pyattn

@@ -1,0 +1,77 @@
+# SPDX-License-Identifier: MIT
+"""pyattn: fast, exact transformer attention on the CPU.
+
+A fused flash-attention core in C++ (SIMD kernels compiled per ISA and chosen at run time, OpenMP
+threads) behind a NumPy API with PyTorch's names and semantics. See README.md.
+"""
+
+from __future__ import annotations
+
+from . import _core
+from ._api import scaled_dot_product_attention
+
+try:
+    from importlib.metadata import PackageNotFoundError, version as _dist_version
+
+    __version__ = _dist_version("pyattn")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree without metadata
+    __version__ = getattr(_core, "__version__", "0+unknown")
+
+__all__ = [
+    "scaled_dot_product_attention",
+    "set_num_threads",
+    "get_num_threads",
+    "available_isas",
+    "get_isa",
+    "runtime_info",
+    "show_config",
+    "__version__",
+]
+
+
+def set_num_threads(n):
+    """Default thread count for pyattn calls without num_threads= (None restores OpenMP's default:
+    OMP_NUM_THREADS, threadpoolctl limits, else all cores)."""
+    if n is None:
+        _core.set_num_threads(0)
+        return
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"n: expected an int or None, got {type(n).__name__}")
+    if n < 1:
+        raise ValueError(f"n: must be >= 1, got {n}")
+    _core.set_num_threads(n)
+
+
+def get_num_threads():
+    """Threads a call without num_threads= will use."""
+    return _core.get_num_threads()
+
+
+def available_isas():
+    """Kernel ISAs compiled into this build and supported by this CPU, worst to best."""
+    return list(_core.available_isas())
+
+
+def get_isa():
+    """The kernel ISA in use (the best available, or the one forced by PYATTN_ISA)."""
+    return _core.isa()
+
+
+def runtime_info():
+    """Version, kernel ISA, available ISAs, thread count, OpenMP runtime and compiler, as a dict."""
+    return {
+        "version": __version__,
+        "isa": get_isa(),
+        "available_isas": available_isas(),
+        "num_threads": get_num_threads(),
+        "openmp": _core.openmp_runtime(),
+        "compiler": _core.compiler(),
+    }
+
+
+def show_config():
+    """Print runtime_info() in a human-readable form."""
+    for name, value in runtime_info().items():
+        if isinstance(value, list):
+            value = ", ".join(value)
+        print(f"{name:>15}: {value}")

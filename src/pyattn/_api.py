@@ -1,0 +1,266 @@
+# SPDX-License-Identifier: MIT
+"""User-facing contract of pyattn: validation, broadcasting and layout, then one call into the core.
+
+Every decision about shapes, dtypes and broadcasting is made here, before the compiled core runs.
+Broadcasting never copies: leading batch dimensions, grouped-query heads and mask dimensions become
+per-(batch, head) element offsets plus row strides, which the kernels read directly (stride 0 for a
+broadcast axis). The only copies are documented ones: an input whose last axis is not contiguous
+(or whose memory is misaligned) is copied before the call, because the kernels vectorise along it.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from . import _core
+
+_SUPPORTED = (np.dtype(np.float32), np.dtype(np.float64))
+_CAUSAL = {False: None, True: "upper_left", "upper_left": "upper_left", "lower_right": "lower_right"}
+
+
+def _as_float_array(x, name):
+    if not isinstance(x, np.ndarray):
+        if x is None:
+            raise TypeError(f"{name}: expected a NumPy array, got None")
+        x = np.asarray(x)
+    if x.dtype not in _SUPPORTED:
+        raise TypeError(f"{name}: dtype must be float32 or float64, got {x.dtype}")
+    if x.ndim < 2:
+        raise ValueError(f"{name}: expected at least 2 dimensions (..., seq_len, dim), got shape {x.shape}")
+    return x
+
+
+def _kernel_layout(x, contiguous_last=True):
+    """x itself when the kernels can read it through strides, else a C-contiguous copy."""
+    item = x.itemsize
+    last_ok = not contiguous_last or x.shape[-1] <= 1 or x.strides[-1] == item
+    strides_ok = all(n <= 1 or s % item == 0 for n, s in zip(x.shape, x.strides))
+    if last_ok and strides_ok and x.ctypes.data % item == 0:
+        return x
+    return np.ascontiguousarray(x)
+
+
+def _as_heads(x):
+    """View of x with at least 3 dimensions (..., heads, seq_len, dim)."""
+    return x[np.newaxis] if x.ndim == 2 else x
+
+
+def _offsets(view, lead_shape):
+    """Element offset of each (batch..., head) slice of a broadcast view, flattened to int64."""
+    item = view.itemsize
+    off = np.zeros(lead_shape, dtype=np.int64)
+    grids = np.indices(lead_shape, sparse=True) if lead_shape else ()
+    for grid, n, stride in zip(grids, lead_shape, view.strides[: len(lead_shape)]):
+        if n > 1:
+            off += grid.astype(np.int64) * (stride // item)
+    return off.reshape(-1)
+
+
+def _row_stride(x, axis):
+    return 0 if x.shape[axis] <= 1 else x.strides[axis] // x.itemsize
+
+
+def _check_out(out, shape, dtype, inputs):
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out: expected a NumPy array, got {type(out).__name__}")
+    if out.dtype != dtype:
+        raise TypeError(f"out: dtype must be {dtype}, got {out.dtype}")
+    if out.shape != shape:
+        raise ValueError(f"out: shape must be {shape}, got {out.shape}")
+    if not out.flags.c_contiguous:
+        raise ValueError("out: must be C-contiguous")
+    if not out.flags.writeable:
+        raise ValueError("out: must be writeable")
+    for name, x in inputs:
+        if x is not None and np.may_share_memory(out, x):
+            raise ValueError(f"out: must not overlap {name}")
+
+
+def _scale_value(scale, head_dim):
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale: expected a real number or None, got {type(scale).__name__}")
+    value = float(scale)
+    if not math.isfinite(value):
+        raise ValueError(f"scale: must be finite, got {value}")
+    return value
+
+
+def _threads_value(num_threads):
+    if num_threads is None:
+        return 0
+    if isinstance(num_threads, (bool, np.bool_)) or not isinstance(num_threads, numbers.Integral):
+        raise TypeError(f"num_threads: expected an int or None, got {type(num_threads).__name__}")
+    if num_threads < 1:
+        raise ValueError(f"num_threads: must be >= 1, got {num_threads}")
+    return int(num_threads)
+
+
+def _causal_value(is_causal):
+    key = is_causal
+    if isinstance(is_causal, (bool, np.bool_)):
+        key = bool(is_causal)
+    elif not isinstance(is_causal, str):
+        raise ValueError(f"is_causal: expected False, True, 'upper_left' or 'lower_right', got {is_causal!r}")
+    if key not in _CAUSAL:
+        raise ValueError(f"is_causal: expected False, True, 'upper_left' or 'lower_right', got {is_causal!r}")
+    return _CAUSAL[key]
+
+
+def _allocate(shape, dtype, name):
+    try:
+        return np.empty(shape, dtype=dtype)
+    except (MemoryError, ValueError) as exc:
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        raise ValueError(f"{name}: cannot allocate an array of shape {shape} ({nbytes} bytes): {exc}") from None
+
+
+def scaled_dot_product_attention(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    *,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    return_weights=False,
+    out=None,
+    num_threads=None,
+):
+    """Scaled dot-product attention, softmax(Q Kᵀ · scale + mask) V, computed by a fused kernel.
+
+    Parameters
+    ----------
+    query : ndarray, shape (..., Hq, L, E)
+    key : ndarray, shape (..., Hk, S, E)
+    value : ndarray, shape (..., Hk, S, Ev)
+        float32 or float64, all the same dtype. Leading batch dimensions broadcast against each
+        other. 2-D inputs (L, E) are one head; 3-D inputs are (heads, L, E). Any strides are read
+        in place; an input whose last axis is not contiguous is copied first.
+    attn_mask : ndarray, optional
+        Broadcastable to (..., Hq, L, S). Boolean: True means the query may attend to the key
+        (PyTorch's convention). Floating (same dtype as query): added to the scaled scores; -inf
+        forbids. Broadcasting never materialises the mask.
+    is_causal : {False, True, "upper_left", "lower_right"}
+        True / "upper_left": query i sees keys j <= i. "lower_right": query i sees keys
+        j <= i + S - L (the alignment of a KV cache). Combines with attn_mask (both apply).
+    scale : float, optional
+        Multiplies Q Kᵀ; default 1/sqrt(E) (1.0 when E == 0). Any finite value.
+    enable_gqa : bool
+        Grouped-query attention: Hq must be a multiple of Hk and query head h reads key/value head
+        h // (Hq // Hk), without copying. Without it Hq must equal Hk.
+    return_weights : bool
+        Also return the softmax weights (..., Hq, L, S); the only mode that allocates O(L·S).
+    out : ndarray, optional
+        C-contiguous output of the right shape and dtype, not overlapping any input; returned.
+    num_threads : int, optional
+        Threads for this call; default pyattn.get_num_threads().
+
+    Returns
+    -------
+    out : ndarray, shape (..., Hq, L, Ev)
+    weights : ndarray, shape (..., Hq, L, S), only with return_weights=True
+
+    Notes
+    -----
+    A query row with no allowed key returns zeros (and zero weights), never NaN. The K and V
+    values of forbidden keys never influence the result, even when they are NaN or Inf. Results
+    are bitwise identical for any num_threads.
+    """
+    q = _as_float_array(query, "query")
+    k = _as_float_array(key, "key")
+    v = _as_float_array(value, "value")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"query, key and value must have the same dtype, got {q.dtype}, {k.dtype} and {v.dtype}"
+        )
+    dtype = q.dtype
+    out_ndim = max(q.ndim, k.ndim, v.ndim)
+    q, k, v = (_as_heads(_kernel_layout(x)) for x in (q, k, v))
+
+    num_q_heads, q_len, head_dim = q.shape[-3:]
+    num_kv_heads, kv_len, key_dim = k.shape[-3:]
+    num_v_heads, v_len, value_dim = v.shape[-3:]
+    if key_dim != head_dim:
+        raise ValueError(f"key: last dimension must equal query's ({head_dim}), got key shape {k.shape}")
+    if v_len != kv_len:
+        raise ValueError(f"value: sequence length must equal key's ({kv_len}), got value shape {v.shape}")
+    if num_v_heads != num_kv_heads:
+        raise ValueError(f"value: number of heads must equal key's ({num_kv_heads}), got value shape {v.shape}")
+    if enable_gqa:
+        if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"enable_gqa: query heads ({num_q_heads}) must be a multiple of key/value heads ({num_kv_heads})"
+            )
+    elif num_q_heads != num_kv_heads:
+        raise ValueError(
+            f"key: number of heads ({num_kv_heads}) must equal query's ({num_q_heads}); "
+            "pass enable_gqa=True for grouped-query attention"
+        )
+    try:
+        batch = np.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+    except ValueError:
+        raise ValueError(
+            f"query, key and value: leading batch dimensions do not broadcast: "
+            f"{q.shape[:-3]}, {k.shape[:-3]}, {v.shape[:-3]}"
+        ) from None
+
+    causal = _causal_value(is_causal)
+    scale_value = _scale_value(scale, head_dim)
+    threads = _threads_value(num_threads)
+
+    mask = None
+    mask_view = None
+    if attn_mask is not None:
+        mask = attn_mask if isinstance(attn_mask, np.ndarray) else np.asarray(attn_mask)
+        if mask.dtype != np.bool_ and mask.dtype != dtype:
+            raise TypeError(f"attn_mask: dtype must be bool or the query's dtype ({dtype}), got {mask.dtype}")
+        # The kernels read the mask through arbitrary strides, the last axis included.
+        mask = _kernel_layout(mask, contiguous_last=False)
+        try:
+            mask_view = np.broadcast_to(mask, batch + (num_q_heads, q_len, kv_len))
+        except ValueError:
+            raise ValueError(
+                f"attn_mask: shape {mask.shape} is not broadcastable to {batch + (num_q_heads, q_len, kv_len)}"
+            ) from None
+
+    heads_shape = batch + (num_q_heads,)
+    out_shape = (q_len, value_dim) if out_ndim == 2 else batch + (num_q_heads, q_len, value_dim)
+    if out is None:
+        out = _allocate(out_shape, dtype, "out")
+    else:
+        _check_out(out, out_shape, dtype, [("query", q), ("key", k), ("value", v), ("attn_mask", mask)])
+    weights = None
+    if return_weights:
+        w_shape = (q_len, kv_len) if out_ndim == 2 else batch + (num_q_heads, q_len, kv_len)
+        weights = _allocate(w_shape, dtype, "return_weights")
+
+    group = num_q_heads // num_kv_heads if num_kv_heads else 1
+    q_off = _offsets(np.broadcast_to(q, heads_shape + q.shape[-2:]), heads_shape)
+    kv_heads_shape = batch + (num_kv_heads,)
+    k_off = _offsets(np.broadcast_to(k, kv_heads_shape + k.shape[-2:]), kv_heads_shape)
+    v_off = _offsets(np.broadcast_to(v, kv_heads_shape + v.shape[-2:]), kv_heads_shape)
+    if group > 1:
+        k_off = np.repeat(k_off.reshape(-1, num_kv_heads), group, axis=1).reshape(-1)
+        v_off = np.repeat(v_off.reshape(-1, num_kv_heads), group, axis=1).reshape(-1)
+    if mask_view is not None:
+        m_off = _offsets(mask_view, heads_shape)
+        mask_strides = (_row_stride(mask_view, -2), _row_stride(mask_view, -1))
+    else:
+        m_off = np.zeros_like(q_off)
+        mask_strides = (0, 0)
+    offsets = np.stack([q_off, k_off, v_off, m_off]) if q_off.size else np.zeros((4, 0), np.int64)
+
+    _core.sdpa(
+        q, k, v, mask, out, weights, np.ascontiguousarray(offsets, dtype=np.int64),
+        [_row_stride(q, -2), _row_stride(k, -2), _row_stride(v, -2), mask_strides[0], mask_strides[1]],
+        [q_off.size, q_len, kv_len, head_dim, value_dim],
+        causal is not None, (kv_len - q_len) if causal == "lower_right" else 0,
+        scale_value, threads,
+    )
+    return (out, weights) if return_weights else out

@@ -1,0 +1,106 @@
+# SPDX-License-Identifier: MIT
+"""Shared fixtures and helpers: seeded rng, per-ISA fixture, the one tolerance table, input builders."""
+
+import numpy as np
+import pytest
+
+import pyattn
+from pyattn import reference
+
+# (rtol, atol) per dtype for pyattn vs the float64 reference. The only tolerance table in the suite.
+TOL = {
+    np.float32: (2e-5, 2e-5),
+    np.float64: (1e-12, 1e-12),
+}
+DTYPES = [np.float32, np.float64]
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(20240607)
+
+
+@pytest.fixture(params=pyattn.available_isas())
+def isa(request):
+    """Forces each compiled and supported ISA in turn, restoring the previous choice afterwards."""
+    previous = pyattn.get_isa()
+    pyattn._core._set_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        pyattn._core._set_isa(previous)
+
+
+@pytest.fixture(params=DTYPES, ids=lambda d: np.dtype(d).name)
+def dtype(request):
+    return request.param
+
+
+def nan_guarded(array, pad=2):
+    """A view holding `array`'s values, cut from a NaN-filled parent.
+
+    Every axis gets `pad` NaN elements on both sides, so the view starts at an offset, its rows are
+    not adjacent, and reading outside it (or ignoring a stride) shows up as NaN. The last axis stays
+    contiguous. Bool parents are filled with True ("attend"), the closest thing to NaN.
+    """
+    array = np.asarray(array)
+    parent_shape = tuple(n + 2 * pad for n in array.shape)
+    parent = np.full(parent_shape, True if array.dtype == np.bool_ else np.nan, dtype=array.dtype)
+    view = parent[tuple(slice(pad, pad + n) for n in array.shape)]
+    view[...] = array
+    return view
+
+
+def random_array(rng, shape, dtype, guard=True):
+    """Standard-normal values of `dtype`; a NaN-guarded view unless guard=False."""
+    values = rng.standard_normal(shape).astype(dtype)
+    return nan_guarded(values) if guard else values
+
+
+def make_qkv(rng, dtype, batch=(), q_heads=None, kv_heads=None, q_len=5, kv_len=7, head_dim=8,
+             value_dim=None, layout="bhsd", guard=True):
+    """Random query (..., Hq, L, E), key (..., Hk, S, E), value (..., Hk, S, Ev).
+
+    q_heads=None leaves out the head axis (inputs are batch + (L, E)). layout="bshd" builds
+    (..., L, H, E) arrays and returns them transposed to (..., H, L, E) views.
+    """
+    value_dim = head_dim if value_dim is None else value_dim
+    kv_heads = q_heads if kv_heads is None else kv_heads
+
+    def build(heads, length, dim):
+        batch_shape = tuple(batch)
+        if heads is None:
+            return random_array(rng, batch_shape + (length, dim), dtype, guard)
+        if layout == "bshd":
+            return np.swapaxes(random_array(rng, batch_shape + (length, heads, dim), dtype, guard), -2, -3)
+        return random_array(rng, batch_shape + (heads, length, dim), dtype, guard)
+
+    return build(q_heads, q_len, head_dim), build(kv_heads, kv_len, head_dim), build(kv_heads, kv_len, value_dim)
+
+
+def random_mask(rng, shape, kind, dtype, p_allowed=0.7):
+    """A bool mask (True = attend) or a float mask of `dtype` (random offsets, -inf where forbidden)."""
+    allowed = rng.random(shape) < p_allowed
+    if kind == "bool":
+        return allowed
+    return np.where(allowed, rng.standard_normal(shape), -np.inf).astype(dtype)
+
+
+def assert_close(actual, expected, dtype):
+    """pyattn output vs float64 reference, with the table's tolerance; NaN must match NaN."""
+    assert actual.dtype == np.dtype(dtype)
+    rtol, atol = TOL[dtype]
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol)
+
+
+def check_against_reference(q, k, v, attn_mask=None, **kwargs):
+    """Runs pyattn and the reference with the same arguments, compares, returns pyattn's result."""
+    got = pyattn.scaled_dot_product_attention(q, k, v, attn_mask, **kwargs)
+    kwargs.pop("num_threads", None)
+    expected = reference.scaled_dot_product_attention(q, k, v, attn_mask, **kwargs)
+    if kwargs.get("return_weights"):
+        assert_close(got[0], expected[0], q.dtype.type)
+        assert_close(got[1], expected[1], q.dtype.type)
+    else:
+        assert_close(got, expected, q.dtype.type)
+    return got

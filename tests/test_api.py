@@ -1,0 +1,330 @@
+# SPDX-License-Identifier: MIT
+"""The error policy (DESIGN §2), out=, and the runtime API (ISA choice, threads, config)."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import make_qkv
+
+import pyattn
+
+sdpa = pyattn.scaled_dot_product_attention
+
+
+@pytest.fixture
+def qkv(rng):
+    return make_qkv(rng, np.float32, batch=(2,), q_heads=4, q_len=5, kv_len=7, head_dim=8, value_dim=6)
+
+
+# --- shapes -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["query", "key", "value"])
+@pytest.mark.parametrize("ndim", [0, 1])
+def test_too_few_dims(qkv, name, ndim):
+    args = dict(zip(["query", "key", "value"], qkv))
+    args[name] = args[name][(0,) * (args[name].ndim - ndim)]
+    with pytest.raises(ValueError, match=name):
+        sdpa(**args)
+
+
+def test_head_dim_mismatch(qkv):
+    q, k, v = qkv
+    with pytest.raises(ValueError, match="key"):
+        sdpa(q, k[..., :7], v)
+
+
+def test_kv_len_mismatch(qkv):
+    q, k, v = qkv
+    with pytest.raises(ValueError, match="value"):
+        sdpa(q, k, v[..., :6, :])
+
+
+def test_batch_not_broadcastable(qkv):
+    q, k, v = qkv
+    with pytest.raises(ValueError, match="key|value"):
+        sdpa(q, np.concatenate([k, k, k]), np.concatenate([v, v, v]))
+
+
+def test_kv_heads_mismatch(qkv):
+    q, k, v = qkv
+    with pytest.raises(ValueError, match="value"):
+        sdpa(q, k, v[:, :2], enable_gqa=True)
+
+
+@pytest.mark.parametrize("mask_shape", [(6,), (5, 6), (3, 5, 7), (3, 1, 1, 7), (4, 5, 1, 7)])
+def test_mask_not_broadcastable(qkv, mask_shape):
+    with pytest.raises(ValueError, match="attn_mask"):
+        sdpa(*qkv, np.ones(mask_shape, dtype=bool))
+
+
+def test_gqa_heads_not_divisible(rng):
+    q, k, v = make_qkv(rng, np.float32, q_heads=4, kv_heads=3)
+    with pytest.raises(ValueError, match="enable_gqa|head"):
+        sdpa(q, k, v, enable_gqa=True)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_heads_differ_without_gqa(rng, kv_heads):
+    q, k, v = make_qkv(rng, np.float32, q_heads=4, kv_heads=kv_heads)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        sdpa(q, k, v)
+
+
+# --- dtypes and types ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["query", "key", "value"])
+@pytest.mark.parametrize("bad_dtype", [np.int32, np.int64, np.bool_, np.complex64, np.complex128, object])
+def test_non_float_dtype(qkv, name, bad_dtype):
+    args = dict(zip(["query", "key", "value"], qkv))
+    args[name] = args[name].astype(bad_dtype)
+    with pytest.raises(TypeError, match=name):
+        sdpa(**args)
+
+
+@pytest.mark.parametrize("name", ["key", "value"])
+def test_mixed_dtypes(qkv, name):
+    args = dict(zip(["query", "key", "value"], qkv))
+    args[name] = args[name].astype(np.float64)
+    with pytest.raises(TypeError, match=name):
+        sdpa(**args)
+
+
+def test_list_inputs_are_not_silently_promoted(qkv):
+    q, k, v = qkv
+    with pytest.raises(TypeError):
+        sdpa(q.tolist(), k, v)
+
+
+@pytest.mark.parametrize("bad_dtype", [np.int8, np.int64, np.uint8, np.float64, np.complex64, object])
+def test_mask_dtype(qkv, bad_dtype):
+    with pytest.raises(TypeError, match="attn_mask"):
+        sdpa(*qkv, np.zeros((5, 7), dtype=bad_dtype))
+
+
+@pytest.mark.parametrize("scale", [np.nan, np.inf, -np.inf])
+def test_non_finite_scale(qkv, scale):
+    with pytest.raises(ValueError, match="scale"):
+        sdpa(*qkv, scale=scale)
+
+
+@pytest.mark.parametrize("is_causal", ["upper", "lower", "", "Upper_Left", 2, 0.5])
+def test_bad_is_causal(qkv, is_causal):
+    with pytest.raises((ValueError, TypeError), match="is_causal"):
+        sdpa(*qkv, is_causal=is_causal)
+
+
+def test_is_causal_unknown_string_is_value_error(qkv):
+    with pytest.raises(ValueError, match="is_causal"):
+        sdpa(*qkv, is_causal="diagonal")
+
+
+# --- out= ---------------------------------------------------------------------------------------
+
+
+def test_out_is_returned(qkv):
+    out = np.empty((2, 4, 5, 6), dtype=np.float32)
+    assert sdpa(*qkv, out=out) is out
+    result, weights = sdpa(*qkv, out=out, return_weights=True)
+    assert result is out
+    assert weights.shape == (2, 4, 5, 7)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 5, 7), (2, 4, 5), (1, 4, 5, 6), (2, 4, 5, 6, 1), (8, 5, 6)])
+def test_out_wrong_shape(qkv, shape):
+    with pytest.raises(ValueError, match="out"):
+        sdpa(*qkv, out=np.empty(shape, dtype=np.float32))
+
+
+@pytest.mark.parametrize("bad_dtype", [np.float64, np.float16, np.int32])
+def test_out_wrong_dtype(qkv, bad_dtype):
+    with pytest.raises(TypeError, match="out"):
+        sdpa(*qkv, out=np.empty((2, 4, 5, 6), dtype=bad_dtype))
+
+
+@pytest.mark.parametrize("view", ["stepped", "transposed", "offset_rows", "fortran"])
+def test_out_not_c_contiguous(qkv, view):
+    if view == "stepped":
+        out = np.empty((2, 4, 10, 6), dtype=np.float32)[:, :, ::2]
+    elif view == "transposed":
+        out = np.empty((2, 5, 4, 6), dtype=np.float32).swapaxes(1, 2)
+    elif view == "offset_rows":
+        out = np.full((2, 4, 5, 8), np.nan, dtype=np.float32)[..., 1:7]
+    else:
+        out = np.asfortranarray(np.empty((2, 4, 5, 6), dtype=np.float32))
+    with pytest.raises(ValueError, match="out"):
+        sdpa(*qkv, out=out)
+
+
+def test_out_read_only(qkv):
+    out = np.empty((2, 4, 5, 6), dtype=np.float32)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="out"):
+        sdpa(*qkv, out=out)
+
+
+def test_out_not_an_array(qkv):
+    with pytest.raises(TypeError, match="out"):
+        sdpa(*qkv, out=np.zeros((2, 4, 5, 6), dtype=np.float32).tolist())
+
+
+@pytest.mark.parametrize("name", ["query", "key", "value", "attn_mask"])
+def test_out_overlaps_input(rng, name):
+    # Every array is a view into one buffer; out covers the bytes of `name`.
+    buffer = rng.standard_normal((4, 2, 5, 6)).astype(np.float32)
+    inputs = dict(query=buffer[0], key=buffer[1], value=buffer[2], attn_mask=buffer[3, 0, :, :5])
+    out = buffer[3] if name == "attn_mask" else inputs[name]
+    with pytest.raises(ValueError, match="out"):
+        sdpa(**inputs, out=out)
+
+
+def test_out_overlaps_input_partially(rng):
+    buffer = rng.standard_normal(3 * 60 + 7).astype(np.float32)
+    q, k, v = (buffer[i * 60 : (i + 1) * 60].reshape(2, 5, 6) for i in range(3))
+    with pytest.raises(ValueError, match="out"):
+        sdpa(q, k, v, out=buffer[7:67].reshape(2, 5, 6))
+
+
+def test_out_overlaps_a_strided_input(rng):
+    # key reads every other row of `parent`; out is a contiguous block that straddles some of them.
+    parent = rng.standard_normal((2, 10, 6)).astype(np.float32)
+    q, v = (rng.standard_normal((2, 5, 6)).astype(np.float32) for _ in range(2))
+    out = parent.reshape(-1)[6:66].reshape(2, 5, 6)
+    with pytest.raises(ValueError, match="out"):
+        sdpa(q, parent[:, ::2], v, out=out)
+
+
+def test_out_next_to_an_input_is_fine(rng):
+    buffer = rng.standard_normal(4 * 60).astype(np.float32)
+    q, k, v, out = (buffer[i * 60 : (i + 1) * 60].reshape(2, 5, 6) for i in range(4))
+    expected = sdpa(q.copy(), k.copy(), v.copy())
+    assert sdpa(q, k, v, out=out) is out
+    np.testing.assert_array_equal(out, expected)
+
+
+# --- num_threads ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_threads", [0, -1, -8])
+def test_num_threads_value(qkv, num_threads):
+    with pytest.raises(ValueError, match="num_threads"):
+        sdpa(*qkv, num_threads=num_threads)
+
+
+@pytest.mark.parametrize("num_threads", [2.0, 2.5, "2", [2]])
+def test_num_threads_type(qkv, num_threads):
+    with pytest.raises(TypeError, match="num_threads"):
+        sdpa(*qkv, num_threads=num_threads)
+
+
+def test_num_threads_numpy_int(qkv):
+    np.testing.assert_array_equal(sdpa(*qkv, num_threads=np.int64(2)), sdpa(*qkv, num_threads=2))
+
+
+@pytest.fixture
+def restore_num_threads():
+    yield
+    pyattn.set_num_threads(None)  # back to the default (OMP_NUM_THREADS or all cores)
+
+
+def test_set_get_num_threads(restore_num_threads, qkv):
+    pyattn.set_num_threads(3)
+    assert pyattn.get_num_threads() == 3
+    assert pyattn.runtime_info()["num_threads"] == 3
+    with_three = sdpa(*qkv)
+    pyattn.set_num_threads(1)
+    assert pyattn.get_num_threads() == 1
+    np.testing.assert_array_equal(sdpa(*qkv), with_three)
+
+
+@pytest.mark.parametrize("bad", [0, -2])
+def test_set_num_threads_rejects(restore_num_threads, bad):
+    with pytest.raises(ValueError, match=r"\bn\b|num_threads"):
+        pyattn.set_num_threads(bad)
+
+
+def test_set_num_threads_none_restores_default(restore_num_threads):
+    default = pyattn.get_num_threads()
+    pyattn.set_num_threads(1 if default != 1 else 2)
+    assert pyattn.get_num_threads() != default
+    pyattn.set_num_threads(None)
+    assert pyattn.get_num_threads() == default
+
+
+# --- sizes that cannot exist --------------------------------------------------------------------
+
+
+def test_huge_broadcast_output_is_refused_cleanly():
+    # Stride-0 inputs whose output would need petabytes: an exception, never a crash.
+    q = np.broadcast_to(np.zeros((1, 1, 1, 8), dtype=np.float32), (2**25, 2**25, 1, 8))
+    k = np.zeros((1, 1, 8), dtype=np.float32)
+    with pytest.raises((ValueError, MemoryError)):
+        sdpa(q, k, k)
+
+
+# --- runtime ------------------------------------------------------------------------------------
+
+
+def test_runtime_info_keys():
+    info = pyattn.runtime_info()
+    assert {"version", "isa", "available_isas", "num_threads", "openmp", "compiler"} <= set(info)
+    assert info["isa"] == pyattn.get_isa()
+    assert info["isa"] in info["available_isas"]
+    assert list(info["available_isas"]) == list(pyattn.available_isas())
+    assert info["version"] == pyattn.__version__
+    assert isinstance(info["num_threads"], int) and info["num_threads"] >= 1
+
+
+def test_show_config_prints(capsys):
+    pyattn.show_config()
+    printed = capsys.readouterr().out
+    assert pyattn.get_isa() in printed
+    assert pyattn.__version__ in printed
+
+
+def test_available_isas():
+    isas = pyattn.available_isas()
+    assert isas[0] == "generic"
+    assert set(isas) <= {"generic", "avx2", "avx512"}
+    assert len(set(isas)) == len(isas)
+
+
+def test_set_isa(isa):
+    assert pyattn.get_isa() == isa
+
+
+def test_set_isa_unknown_name():
+    before = pyattn.get_isa()
+    with pytest.raises(ValueError):
+        pyattn._core._set_isa("sse9")
+    assert pyattn.get_isa() == before
+
+
+def _python_with_env(code, **env):
+    full_env = {k: v for k, v in os.environ.items() if k != "PYATTN_ISA"}
+    full_env.update(env)
+    return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("name", pyattn.available_isas())
+def test_pyattn_isa_env_forces_isa(name):
+    result = _python_with_env("import pyattn; print(pyattn.get_isa())", PYATTN_ISA=name)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == name
+
+
+def test_pyattn_isa_env_unknown_name_fails_clearly():
+    result = _python_with_env("import pyattn", PYATTN_ISA="sse9")
+    assert result.returncode != 0
+    assert "PYATTN_ISA" in result.stderr
+    assert "sse9" in result.stderr
+
+
+def test_no_env_picks_best_isa():
+    result = _python_with_env("import pyattn; print(pyattn.get_isa())")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == pyattn.available_isas()[-1]

@@ -1,0 +1,433 @@
+# SPDX-License-Identifier: MIT
+"""Parity of pyattn.scaled_dot_product_attention with the float64 reference, for every ISA and dtype.
+
+Inputs are views cut from NaN-filled parents (see conftest.nan_guarded), so an out-of-bounds read or a
+stride mistake shows up as NaN in the output.
+"""
+
+import numpy as np
+import pytest
+from conftest import (
+    TOL,
+    assert_close,
+    check_against_reference,
+    make_qkv,
+    nan_guarded,
+    random_array,
+    random_mask,
+)
+
+import pyattn
+from pyattn import reference
+
+sdpa = pyattn.scaled_dot_product_attention
+
+
+# --- shapes -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("head_dim", list(range(1, 34)) + [64, 128, 256])
+@pytest.mark.parametrize("q_len, kv_len", [(1, 17), (17, 113)])
+def test_head_dim_sweep(isa, dtype, rng, head_dim, q_len, kv_len):
+    q, k, v = make_qkv(rng, dtype, batch=(1,), q_heads=2, q_len=q_len, kv_len=kv_len, head_dim=head_dim)
+    check_against_reference(q, k, v)
+
+
+@pytest.mark.parametrize("head_dim, value_dim", [(8, 1), (8, 3), (16, 33), (64, 17), (5, 128), (33, 64), (128, 64)])
+def test_value_dim_differs(isa, dtype, rng, head_dim, value_dim):
+    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=2, q_len=17, kv_len=75, head_dim=head_dim, value_dim=value_dim)
+    out = check_against_reference(q, k, v)
+    assert out.shape == (2, 2, 17, value_dim)
+
+
+@pytest.mark.parametrize("q_len", [1, 3, 17, 75, 113])
+@pytest.mark.parametrize("kv_len", [1, 3, 17, 75, 113])
+def test_odd_lengths(isa, dtype, rng, q_len, kv_len):
+    q, k, v = make_qkv(rng, dtype, batch=(1,), q_heads=2, q_len=q_len, kv_len=kv_len, head_dim=64)
+    check_against_reference(q, k, v)
+
+
+@pytest.mark.parametrize(
+    "q_len, kv_len, options",
+    [
+        (1030, 1030, dict(is_causal=True)),
+        (1, 1030, {}),
+        (1030, 3, {}),
+        (75, 1030, dict(is_causal="lower_right")),
+    ],
+)
+def test_long_sequences(isa, dtype, rng, q_len, kv_len, options):
+    q, k, v = make_qkv(rng, dtype, q_heads=1, q_len=q_len, kv_len=kv_len, head_dim=64)
+    check_against_reference(q, k, v, **options)
+
+
+def test_long_sequence_with_mask(isa, dtype, rng):
+    q, k, v = make_qkv(rng, dtype, q_heads=1, q_len=113, kv_len=1030, head_dim=32)
+    check_against_reference(q, k, v, random_mask(rng, (113, 1030), "bool", dtype))
+
+
+def test_two_dim_inputs(isa, dtype, rng):
+    q, k, v = make_qkv(rng, dtype, q_len=17, kv_len=19, head_dim=8, value_dim=5)
+    out = check_against_reference(q, k, v)
+    assert out.shape == (17, 5)
+
+
+def test_three_dim_inputs(isa, dtype, rng):
+    q, k, v = make_qkv(rng, dtype, q_heads=3, q_len=17, kv_len=19, head_dim=8, value_dim=5)
+    out = check_against_reference(q, k, v, is_causal=True)
+    assert out.shape == (3, 17, 5)
+
+
+@pytest.mark.parametrize(
+    "q_batch, kv_batch, v_batch, mask_shape, out_batch",
+    [
+        ((2, 1), (1, 3), (1, 3), None, (2, 3)),
+        ((2, 1), (1, 3), (2, 1), None, (2, 3)),
+        ((4,), (1,), (1,), None, (4,)),
+        ((1,), (4,), (4,), None, (4,)),
+        ((2, 3), (3,), (3,), (2, 1, 1, 1, 19), (2, 3)),
+        ((5, 2), (2,), (1,), (2, 1, 17, 19), (5, 2)),
+    ],
+)
+def test_batch_broadcasting(isa, dtype, rng, q_batch, kv_batch, v_batch, mask_shape, out_batch):
+    q = random_array(rng, q_batch + (2, 17, 8), dtype)
+    k = random_array(rng, kv_batch + (2, 19, 8), dtype)
+    v = random_array(rng, v_batch + (2, 19, 6), dtype)
+    mask = None if mask_shape is None else random_mask(rng, mask_shape, "float", dtype)
+    out = check_against_reference(q, k, v, mask)
+    assert out.shape == out_batch + (2, 17, 6)
+
+
+@pytest.mark.parametrize(
+    "q_shape, k_shape, v_shape",
+    [
+        ((0, 2, 5, 8), (0, 2, 7, 8), (0, 2, 7, 4)),  # batch 0
+        ((1, 0, 5, 8), (1, 0, 7, 8), (1, 0, 7, 4)),  # heads 0
+        ((2, 0, 8), (2, 7, 8), (2, 7, 4)),  # L = 0
+        ((2, 5, 8), (2, 0, 8), (2, 0, 4)),  # S = 0: zeros
+        ((2, 5, 0), (2, 7, 0), (2, 7, 4)),  # E = 0: uniform weights over allowed keys
+        ((2, 5, 8), (2, 7, 8), (2, 7, 0)),  # Ev = 0
+        ((0, 0), (0, 0), (0, 0)),
+    ],
+)
+def test_zero_size_dims(isa, dtype, rng, q_shape, k_shape, v_shape):
+    q, k, v = (random_array(rng, s, dtype) for s in (q_shape, k_shape, v_shape))
+    out, weights = check_against_reference(q, k, v, return_weights=True)
+    assert out.shape == q_shape[:-1] + v_shape[-1:]
+    assert weights.shape == q_shape[:-1] + k_shape[-2:-1]
+
+
+@pytest.mark.parametrize("is_causal", [False, True, "lower_right"])
+def test_zero_kv_len_with_mask_is_zeros(isa, dtype, rng, is_causal):
+    q, k, v = make_qkv(rng, dtype, q_heads=2, q_len=5, kv_len=0, head_dim=8)
+    out = sdpa(q, k, v, np.ones((5, 0), dtype=bool), is_causal=is_causal)
+    assert out.shape == (2, 5, 8)
+    assert np.all(out == 0)
+
+
+# --- masks --------------------------------------------------------------------------------------
+
+BATCH, HEADS, Q_LEN, KV_LEN = 2, 3, 17, 19
+
+MASK_SHAPES = [
+    (KV_LEN,),
+    (Q_LEN, 1),
+    (1, KV_LEN),
+    (Q_LEN, KV_LEN),
+    (HEADS, 1, KV_LEN),
+    (HEADS, Q_LEN, KV_LEN),
+    (BATCH, 1, 1, KV_LEN),
+    (BATCH, 1, Q_LEN, KV_LEN),
+    (1, HEADS, Q_LEN, 1),
+    (BATCH, HEADS, Q_LEN, KV_LEN),
+]
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+@pytest.mark.parametrize("mask_shape", MASK_SHAPES, ids=str)
+def test_mask_broadcast_shapes(isa, dtype, rng, mask_kind, mask_shape):
+    q, k, v = make_qkv(rng, dtype, batch=(BATCH,), q_heads=HEADS, q_len=Q_LEN, kv_len=KV_LEN, head_dim=16)
+    mask = random_mask(rng, mask_shape, mask_kind, dtype)
+    check_against_reference(q, k, v, nan_guarded(mask) if mask.ndim > 1 else mask)
+
+
+def _mask_views(rng, kind, dtype):
+    """Masks given as non-contiguous views: stride 0, transposed, reversed, stepped."""
+    full = (BATCH, HEADS, Q_LEN, KV_LEN)
+    return {
+        "broadcast_row": np.broadcast_to(random_mask(rng, (KV_LEN,), kind, dtype), full),
+        "broadcast_col": np.broadcast_to(random_mask(rng, (Q_LEN, 1), kind, dtype), (Q_LEN, KV_LEN)),
+        "broadcast_heads": np.broadcast_to(random_mask(rng, (BATCH, 1, Q_LEN, KV_LEN), kind, dtype), full),
+        "transposed": random_mask(rng, (KV_LEN, Q_LEN), kind, dtype).T,
+        "reversed": random_mask(rng, (HEADS, Q_LEN, KV_LEN), kind, dtype)[::-1, ::-1, ::-1],
+        "stepped": random_mask(rng, (2 * Q_LEN, 3 * KV_LEN), kind, dtype)[::2, ::3],
+    }
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+@pytest.mark.parametrize(
+    "view", ["broadcast_row", "broadcast_col", "broadcast_heads", "transposed", "reversed", "stepped"]
+)
+def test_mask_views(isa, dtype, rng, mask_kind, view):
+    q, k, v = make_qkv(rng, dtype, batch=(BATCH,), q_heads=HEADS, q_len=Q_LEN, kv_len=KV_LEN, head_dim=16)
+    mask = _mask_views(rng, mask_kind, dtype)[view]
+    mask_copy = mask.copy()
+    check_against_reference(q, k, v, mask)
+    np.testing.assert_array_equal(mask, mask_copy)
+
+
+@pytest.mark.parametrize("is_causal", [True, "upper_left", "lower_right"])
+@pytest.mark.parametrize("q_len, kv_len", [(5, 17), (17, 17), (17, 5), (1, 75), (75, 1), (113, 113), (3, 113)])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
+def test_causal(isa, dtype, rng, is_causal, q_len, kv_len, mask_kind):
+    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=2, q_len=q_len, kv_len=kv_len, head_dim=16)
+    mask = None if mask_kind is None else random_mask(rng, (2, 1, q_len, kv_len), mask_kind, dtype)
+    check_against_reference(q, k, v, mask, is_causal=is_causal)
+
+
+def test_causal_true_is_upper_left(isa, dtype, rng):
+    q, k, v = make_qkv(rng, dtype, q_heads=2, q_len=7, kv_len=11, head_dim=8)
+    a = sdpa(q, k, v, is_causal=True)
+    b = sdpa(q, k, v, is_causal="upper_left")
+    c = sdpa(q, k, v, np.tril(np.ones((7, 11), dtype=bool)))
+    np.testing.assert_array_equal(a, b)
+    assert_close(a, c.astype(np.float64), dtype)
+
+
+@pytest.mark.parametrize("q_heads, kv_heads", [(4, 4), (4, 2), (8, 2), (4, 1), (3, 1)])
+@pytest.mark.parametrize("is_causal", [False, "lower_right"])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_gqa(isa, dtype, rng, q_heads, kv_heads, is_causal, with_mask):
+    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=q_heads, kv_heads=kv_heads, q_len=17, kv_len=19,
+                       head_dim=16, value_dim=12)
+    mask = random_mask(rng, (q_heads, 17, 19), "float", dtype) if with_mask else None
+    out = check_against_reference(q, k, v, mask, is_causal=is_causal, enable_gqa=True)
+    assert out.shape == (2, q_heads, 17, 12)
+
+
+def test_gqa_flag_with_equal_heads_is_plain_attention(isa, dtype, rng):
+    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=3, q_len=17, kv_len=19, head_dim=16)
+    np.testing.assert_array_equal(sdpa(q, k, v, enable_gqa=True), sdpa(q, k, v))
+
+
+@pytest.mark.parametrize("scale", [-1.0, -0.125, 1e-30, 1e-8, 0.0, 0.5, 3.0])
+def test_scale(isa, dtype, rng, scale):
+    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=2, q_len=17, kv_len=75, head_dim=16)
+    check_against_reference(q, k, v, random_mask(rng, (17, 75), "bool", dtype), scale=scale)
+
+
+def test_default_scale(isa, dtype, rng):
+    q, k, v = make_qkv(rng, dtype, q_heads=2, q_len=17, kv_len=19, head_dim=36)
+    assert_close(sdpa(q, k, v), sdpa(q, k, v, scale=1 / 6).astype(np.float64), dtype)
+
+
+# --- layouts ------------------------------------------------------------------------------------
+
+
+def _layout(rng, dtype, name, shape):
+    """A (B, H, N, D) view of random data laid out as `name` describes; the last case copies."""
+    b, h, n, d = shape
+    if name == "bshd":
+        return np.swapaxes(random_array(rng, (b, n, h, d), dtype), 1, 2)
+    if name == "stepped":
+        return random_array(rng, (b, 2 * h, 3 * n, d), dtype)[:, ::2, ::3]
+    if name == "reversed":
+        return random_array(rng, shape, dtype)[::-1, ::-1, ::-1]
+    if name == "offset":
+        return random_array(rng, (b + 1, h, n + 3, d), dtype, guard=False)[1:, :, 3:]
+    if name == "head_major":
+        return np.transpose(random_array(rng, (h, n, b, d), dtype), (2, 0, 1, 3))
+    if name == "noncontiguous_last":
+        return random_array(rng, (b, h, n, 2 * d), dtype)[..., ::2]
+    if name == "reversed_last":
+        return random_array(rng, shape, dtype)[..., ::-1]
+    if name == "fortran":
+        return np.asfortranarray(random_array(rng, shape, dtype, guard=False))
+    raise AssertionError(name)
+
+
+LAYOUTS = ["bshd", "stepped", "reversed", "offset", "head_major", "noncontiguous_last", "reversed_last", "fortran"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layouts(isa, dtype, rng, layout):
+    q = _layout(rng, dtype, layout, (2, 3, 17, 16))
+    k = _layout(rng, dtype, layout, (2, 3, 75, 16))
+    v = _layout(rng, dtype, layout, (2, 3, 75, 9))
+    check_against_reference(q, k, v, random_mask(rng, (17, 75), "float", dtype), is_causal="lower_right")
+
+
+@pytest.mark.parametrize("q_layout, k_layout, v_layout", [
+    ("bshd", "reversed", "stepped"),
+    ("stepped", "bshd", "noncontiguous_last"),
+    ("noncontiguous_last", "head_major", "reversed"),
+])
+def test_mixed_layouts(isa, dtype, rng, q_layout, k_layout, v_layout):
+    q = _layout(rng, dtype, q_layout, (2, 4, 17, 16))
+    k = _layout(rng, dtype, k_layout, (2, 2, 19, 16))
+    v = _layout(rng, dtype, v_layout, (2, 2, 19, 5))
+    check_against_reference(q, k, v, is_causal=True, enable_gqa=True, return_weights=True)
+
+
+# --- out=, weights, threads ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_out_prefilled_with_nan_is_fully_written(isa, dtype, rng, return_weights):
+    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=3, q_len=17, kv_len=19, head_dim=16, value_dim=7)
+    pad = 5
+    parent = np.full(2 * 3 * 17 * 7 + 2 * pad, np.nan, dtype=dtype)
+    out = parent[pad:-pad].reshape(2, 3, 17, 7)
+    result = sdpa(q, k, v, out=out, return_weights=return_weights)
+    expected = reference.scaled_dot_product_attention(q, k, v)
+    if return_weights:
+        assert result[0] is out
+    else:
+        assert result is out
+    assert not np.isnan(out).any()
+    assert np.isnan(parent[:pad]).all() and np.isnan(parent[-pad:]).all()
+    assert_close(out, expected, dtype)
+
+
+def test_out_reused_gives_same_result(isa, dtype, rng):
+    q, k, v = make_qkv(rng, dtype, q_heads=2, q_len=17, kv_len=19, head_dim=8)
+    out = np.full((2, 17, 8), np.inf, dtype=dtype)
+    sdpa(q, k, v, out=out)
+    np.testing.assert_array_equal(out, sdpa(q, k, v))
+
+
+@pytest.mark.parametrize("is_causal", [False, True, "lower_right"])
+def test_return_weights(isa, dtype, rng, is_causal):
+    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=2, q_len=17, kv_len=75, head_dim=16, value_dim=9)
+    mask = random_mask(rng, (2, 1, 17, 75), "bool", dtype, p_allowed=0.5)
+    mask[0, 0, 3] = False  # a fully masked row
+    out, weights = check_against_reference(q, k, v, mask, is_causal=is_causal, return_weights=True)
+    assert weights.shape == (2, 2, 17, 75) and weights.dtype == dtype
+    # Rows sum to 1, or to 0 where every key is forbidden.
+    has_keys = reference.scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, return_weights=True)[1]
+    has_keys = has_keys.sum(axis=-1) > 0.5
+    assert not has_keys[0, :, 3].any() and has_keys.sum() > 40
+    np.testing.assert_allclose(weights.astype(np.float64).sum(axis=-1), has_keys.astype(np.float64),
+                               rtol=0, atol=75 * TOL[dtype][1])
+    assert np.all(weights[0, :, 3] == 0) and np.all(out[0, :, 3] == 0)
+    # The output is exactly what the returned weights say, and the same as without weights.
+    assert_close(out, weights.astype(np.float64) @ v.astype(np.float64), dtype)
+    np.testing.assert_array_equal(out, sdpa(q, k, v, mask, is_causal=is_causal))
+
+
+@pytest.mark.parametrize("options", [
+    dict(),
+    dict(is_causal=True),
+    dict(is_causal="lower_right", return_weights=True),
+    dict(mask="bool"),
+    dict(mask="float", enable_gqa=True),
+])
+def test_num_threads_bitwise_identical(isa, dtype, rng, options):
+    options = dict(options)
+    kv_heads = 1 if options.get("enable_gqa") else 4
+    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=4, kv_heads=kv_heads, q_len=113, kv_len=150, head_dim=32)
+    mask_kind = options.pop("mask", None)
+    mask = None if mask_kind is None else random_mask(rng, (113, 150), mask_kind, dtype)
+    results = [sdpa(q, k, v, mask, num_threads=n, **options) for n in (1, 2, 3)]
+    if not options.get("return_weights"):
+        results = [(r,) for r in results]
+    for result in results[1:]:
+        for first, other in zip(results[0], result):
+            np.testing.assert_array_equal(first, other)
+
+
+# --- masked rows, non-finite values ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_fully_masked_rows_are_zero(isa, dtype, rng, mask_kind):
+    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=2, q_len=17, kv_len=19, head_dim=8)
+    mask = random_mask(rng, (2, 2, 17, 19), mask_kind, dtype)
+    forbidden = False if mask_kind == "bool" else -np.inf
+    mask[:, :, [0, 5, 16]] = forbidden
+    mask[1, 0, :] = forbidden  # a whole head
+    out, weights = check_against_reference(q, k, v, mask, return_weights=True)
+    assert np.all(out[:, :, [0, 5, 16]] == 0) and np.all(out[1, 0] == 0)
+    assert np.all(weights[:, :, [0, 5, 16]] == 0) and np.all(weights[1, 0] == 0)
+
+
+@pytest.mark.parametrize("q_len, kv_len", [(17, 5), (75, 3)])
+def test_lower_right_rows_without_keys_are_zero(isa, dtype, rng, q_len, kv_len):
+    q, k, v = make_qkv(rng, dtype, q_heads=2, q_len=q_len, kv_len=kv_len, head_dim=8)
+    out = check_against_reference(q, k, v, is_causal="lower_right")
+    assert np.all(out[:, : q_len - kv_len] == 0)
+    assert not np.any(out[:, q_len - kv_len :] == 0)
+
+
+@pytest.mark.parametrize("bad_value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("masking", ["bool", "float", "upper_left", "lower_right", "mask_and_causal"])
+def test_forbidden_keys_do_not_leak(isa, dtype, rng, bad_value, masking):
+    q_len, kv_len = 17, 40
+    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=2, q_len=q_len, kv_len=kv_len, head_dim=16)
+    k, v = k.copy(), v.copy()
+    options = {}
+    mask = None
+    forbidden_cols = [2, 9, 33]
+    if masking in ("bool", "float", "mask_and_causal"):
+        allowed = np.ones((q_len, kv_len), dtype=bool)
+        allowed[:, forbidden_cols] = False
+        allowed[4, :] = False  # a fully masked row must stay zero too
+        mask = allowed if masking != "float" else np.where(allowed, 0.0, -np.inf).astype(dtype)
+        if masking == "mask_and_causal":
+            options["is_causal"] = "lower_right"
+        bad_cols = forbidden_cols
+    elif masking == "upper_left":
+        options["is_causal"] = "upper_left"
+        bad_cols = list(range(q_len, kv_len))  # never visible to any query row
+    else:
+        options["is_causal"] = "lower_right"
+        bad_cols = None  # per-row: key j is forbidden for rows i < j - (kv_len - q_len)
+    if bad_cols is None:
+        k[..., -1, :] = bad_value
+        v[..., -3:, :] = bad_value
+    else:
+        k[..., bad_cols, :] = bad_value
+        v[..., bad_cols, :] = bad_value
+    out = check_against_reference(q, k, v, mask, **options)
+    if bad_cols is None:
+        # The last key is visible only to the last query row; V rows -3.. to the last three rows.
+        assert np.isfinite(out[..., : q_len - 3, :]).all()
+    else:
+        assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("source", ["query", "key", "value", "mask"])
+def test_nan_in_allowed_position_propagates(isa, dtype, rng, source):
+    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=2, q_len=17, kv_len=19, head_dim=8)
+    q, k, v = q.copy(), k.copy(), v.copy()
+    mask = np.zeros((17, 19), dtype=dtype)
+    if source == "query":
+        q[1, 0, 6, 3] = np.nan
+    elif source == "key":
+        k[1, 0, 4, 0] = np.nan  # every row sees key 4 -> head (1, 0) all NaN
+    elif source == "value":
+        v[1, 0, 4, 2] = np.nan  # column 2 of head (1, 0) NaN
+    else:
+        mask[6, 11] = np.nan  # row 6 of every head NaN
+    out = check_against_reference(q, k, v, mask)
+    nan_rows = np.isnan(out).any(axis=-1)
+    expected_rows = np.zeros((2, 2, 17), dtype=bool)
+    if source == "query":
+        expected_rows[1, 0, 6] = True
+    elif source in ("key", "value"):
+        expected_rows[1, 0, :] = True
+    else:
+        expected_rows[:, :, 6] = True
+    np.testing.assert_array_equal(nan_rows, expected_rows)
+
+
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
+def test_inputs_unchanged(isa, dtype, rng, mask_kind):
+    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=2, q_len=17, kv_len=19, head_dim=8, value_dim=5)
+    mask = None if mask_kind is None else nan_guarded(random_mask(rng, (17, 19), mask_kind, dtype))
+    arrays = [a for a in (q, k, v, mask) if a is not None]
+    parents = [a.base for a in arrays]
+    copies = [p.copy() for p in parents]
+    sdpa(q, k, v, mask, is_causal=True, return_weights=True, num_threads=2)
+    for parent, copy in zip(parents, copies):
+        np.testing.assert_array_equal(parent, copy)

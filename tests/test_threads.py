@@ -1,0 +1,79 @@
+# SPDX-License-Identifier: MIT
+"""Threads: bitwise determinism over num_threads, and concurrent calls from several Python threads."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from conftest import assert_close, make_qkv, random_mask
+
+import pyattn
+from pyattn import reference
+
+sdpa = pyattn.scaled_dot_product_attention
+
+
+@pytest.mark.parametrize(
+    "batch, heads, q_len, kv_len, options",
+    [
+        (2, 3, 300, 257, dict(is_causal=True)),
+        (1, 2, 513, 513, dict(mask="bool")),
+        (3, 4, 64, 1000, dict(mask="float", is_causal="lower_right")),
+        (1, 1, 1030, 77, dict(return_weights=True)),
+    ],
+)
+def test_bitwise_identical_for_any_thread_count(isa, dtype, rng, batch, heads, q_len, kv_len, options):
+    options = dict(options)
+    mask_kind = options.pop("mask", None)
+    q, k, v = make_qkv(rng, dtype, batch=(batch,), q_heads=heads, q_len=q_len, kv_len=kv_len, head_dim=64)
+    mask = None if mask_kind is None else random_mask(rng, (q_len, kv_len), mask_kind, dtype)
+    results = []
+    for n in (1, 2, 3, 4):
+        result = sdpa(q, k, v, mask, num_threads=n, **options)
+        results.append(result if isinstance(result, tuple) else (result,))
+    for result in results[1:]:
+        for first, other in zip(results[0], result):
+            np.testing.assert_array_equal(first, other)
+
+
+def test_decode_shape_across_thread_counts(isa, dtype, rng):
+    # One query row against a long cache: DESIGN allows splitting the row across threads here, so
+    # results need only agree within tolerance (and with the reference).
+    q, k, v = make_qkv(rng, dtype, batch=(1,), q_heads=2, q_len=1, kv_len=4099, head_dim=64)
+    expected = reference.scaled_dot_product_attention(q, k, v)
+    for n in (1, 2, 3, 4):
+        assert_close(sdpa(q, k, v, num_threads=n), expected, dtype)
+
+
+def test_concurrent_calls_from_python_threads(dtype, rng):
+    jobs = []
+    for i in range(12):
+        q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=2, q_len=60 + 7 * i, kv_len=90 + 11 * i, head_dim=32)
+        mask = random_mask(rng, (q.shape[-2], k.shape[-2]), "bool", dtype) if i % 3 == 0 else None
+        causal = [False, True, "lower_right"][i % 3]
+        jobs.append(dict(query=q, key=k, value=v, attn_mask=mask, is_causal=causal, num_threads=1 + i % 3))
+    expected = [sdpa(**dict(job, num_threads=1)) for job in jobs]
+
+    def run(job):
+        return [sdpa(**job) for _ in range(3)]
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(run, jobs))
+    for want, got in zip(expected, results):
+        for result in got:
+            np.testing.assert_array_equal(result, want)
+
+
+def test_concurrent_calls_writing_to_out(dtype, rng):
+    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=2, q_len=100, kv_len=100, head_dim=32)
+    expected = sdpa(q, k, v, num_threads=1)
+    outs = [np.full(expected.shape, np.nan, dtype=dtype) for _ in range(8)]
+
+    def run(i):
+        return sdpa(q, k, v, out=outs[i], num_threads=1 + i % 2)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(run, range(8)))
+    for out, result in zip(outs, results):
+        assert result is out
+        np.testing.assert_array_equal(out, expected)
