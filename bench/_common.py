@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: MIT
 """Small helpers shared by the pyattn benchmark scripts.
 
-Nothing here knows about attention: adaptive timing, machine description, environment warnings and
-table printing (plain text streamed row by row, or Markdown at the end).
+Nothing here knows about attention: importing pyattn, the machine ceilings it measures, adaptive
+timing, machine description, environment warnings and table printing (plain text streamed row by
+row, or Markdown at the end).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import gc
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,6 +23,42 @@ from typing import Any
 # OpenBLAS tuning variables that, when set on this machine, slow NumPy's BLAS; benches never change
 # them, they only warn (unset them in the command: `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE`).
 OPENBLAS_SLOW_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+BUSY_WARN_CPUS = 0.2  # background load (CPUs busy with other processes) above which benches warn
+
+# argparse epilog shared by the bench scripts; format with script="bench/<name>.py".
+ENVIRONMENT_HELP = """environment:
+  OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE may be set on this machine and slow NumPy's BLAS (the
+  numpy peer). The bench never changes them; unset them in the command instead:
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python {script}
+  A warning line is printed when either is set. Without threadpoolctl the numpy peer's BLAS thread
+  count is not controlled; add OPENBLAS_NUM_THREADS=N to the command to pin it.
+"""
+
+
+def import_pyattn(isa: str | None, prog: str):
+    """Import pyattn (and pyattn.reference), optionally forcing an ISA; exit with a message on failure."""
+    try:
+        import pyattn
+        import pyattn.reference
+    except ImportError as exc:
+        sys.exit(f"{prog}: cannot import pyattn ({exc}); install it first (pip install -e .)")
+    if isa is not None:
+        try:
+            pyattn._core._set_isa(isa)
+        except ValueError as exc:
+            sys.exit(f"{prog}: --isa {isa}: {exc}")
+    return pyattn
+
+
+def measure_ceilings(core, threads: int, quick: bool) -> dict[str, float | None]:
+    """FMA peak (GFLOP/s, float32) and streaming read bandwidth (GB/s) measured by pyattn._core,
+    when the extension has those functions (None otherwise)."""
+    ceilings: dict[str, float | None] = {"fma_peak_gflops": None, "read_bandwidth_gbs": None}
+    if hasattr(core, "fma_peak_gflops"):
+        ceilings["fma_peak_gflops"] = float(core.fma_peak_gflops(threads, 0.1 if quick else 0.5))
+    if hasattr(core, "read_bandwidth_gbs"):
+        ceilings["read_bandwidth_gbs"] = float(core.read_bandwidth_gbs(threads, 1 << (28 if quick else 30)))
+    return ceilings
 
 
 @dataclass(frozen=True)
@@ -82,9 +120,45 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def numpy_blas_name() -> str:
+    """'name version' of the BLAS NumPy was built with, as numpy.show_config reports it."""
+    import numpy as np
+
+    try:
+        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        return f"{blas.get('name', '?')} {blas.get('version', '')}".strip()
+    except Exception:  # noqa: BLE001  (show_config's layout is not a stable API)
+        return "unknown BLAS"
+
+
 def now_iso() -> str:
     """Local date and time, ISO 8601, seconds resolution."""
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def busy_cpus(interval: float = 0.25, settle: float = 0.2) -> float | None:
+    """CPUs kept busy by other processes: /proc/stat sampled over `interval` s while this process
+    sleeps, after `settle` s for its own worker threads to stop spinning.
+
+    None where /proc/stat is unavailable. On a shared machine a value well above 0 means that the
+    timings of the run are noisy (and usually too slow).
+    """
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat", encoding="utf-8") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return sum(ticks), ticks[3] + ticks[4]  # total, idle + iowait
+
+    time.sleep(settle)
+    try:
+        total0, idle0 = sample()
+        time.sleep(interval)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    if total1 == total0:
+        return 0.0
+    return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / (total1 - total0))
 
 
 def openblas_env_warnings() -> list[str]:
@@ -160,6 +234,16 @@ class Table:
         rule = "|" + "|".join("---:" if c.right else ":---" for c in self.columns) + "|"
         body = ["| " + " | ".join(cell or " " for cell in row) + " |" for row in self.rows]
         return "\n".join([head, rule, *body])
+
+
+def fmt_ms(ms: float | None) -> str:
+    """Milliseconds with 3-4 significant digits, or '-' for None."""
+    if ms is None:
+        return "-"
+    for limit, spec in ((100, ".0f"), (10, ".1f"), (1, ".2f")):
+        if ms >= limit:
+            return format(ms, spec)
+    return format(ms, ".3f")
 
 
 def fmt(value: float | None, spec: str) -> str:

@@ -44,13 +44,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
 from _common import (
+    BUSY_WARN_CPUS,
+    ENVIRONMENT_HELP,
     Column,
     Table,
     blas_thread_limiter,
+    busy_cpus,
     cpu_model,
     fmt,
+    fmt_ms,
+    import_pyattn,
+    measure_ceilings,
     now_iso,
+    numpy_blas_name,
     openblas_env_warnings,
     time_call,
 )
@@ -96,6 +104,13 @@ SUITE = (
 QUICK_SUITE = ("1x12x128x64", "1x12x512x64", "1x32x1x128 S=4096")
 VARIANTS = ("none", "causal", "mask")
 PEERS = ("numpy", "torch", "onnxruntime")
+ENV_RECORDED = (
+    "OPENBLAS_CORETYPE",
+    "OPENBLAS_L2_SIZE",
+    "OPENBLAS_NUM_THREADS",
+    "OMP_NUM_THREADS",
+    "PYATTN_ISA",
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,7 +250,7 @@ def make_onnxruntime_peer(case, variant, q, k, v, mask, threads):
         )
         for name, arr in feeds.items()
     ]
-    output = helper.make_tensor_value_info("out", TensorProto.FLOAT, list(q.shape[:-1]) + [v.shape[-1]])
+    output = helper.make_tensor_value_info("out", TensorProto.FLOAT, [*q.shape[:-1], v.shape[-1]])
     node = helper.make_node("Attention", names, ["out"], is_causal=int(peer_is_causal(case, variant)))
     graph = helper.make_graph([node], "sdpa", inputs, [output])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
@@ -285,29 +300,10 @@ def detect_peers(wanted: list[str]) -> tuple[list[str], dict[str, str]]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Machine description and ceilings
+# Machine description
 
 
-def numpy_blas_name() -> str:
-    """'name version' of the BLAS NumPy was built with, as numpy.show_config reports it."""
-    try:
-        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
-        return f"{blas.get('name', '?')} {blas.get('version', '')}".strip()
-    except Exception:  # noqa: BLE001  (show_config's layout is not a stable API)
-        return "unknown BLAS"
-
-
-def measure_ceilings(core, threads: int, quick: bool) -> dict[str, float | None]:
-    """FMA peak (GFLOP/s) and streaming read bandwidth (GB/s) from pyattn._core, when it has them."""
-    ceilings: dict[str, float | None] = {"fma_peak_gflops": None, "read_bandwidth_gbs": None}
-    if hasattr(core, "fma_peak_gflops"):
-        ceilings["fma_peak_gflops"] = float(core.fma_peak_gflops(threads, 0.1 if quick else 0.5))
-    if hasattr(core, "read_bandwidth_gbs"):
-        ceilings["read_bandwidth_gbs"] = float(core.read_bandwidth_gbs(threads, 1 << (28 if quick else 30)))
-    return ceilings
-
-
-def machine_info(pyattn, threads, versions, blas_threads, ceilings, args) -> dict:
+def machine_info(pyattn, threads, versions, blas_threads, ceilings, busy, args) -> dict:
     """Everything about the run that a reader needs to trust (or reproduce) the numbers."""
     return {
         "date": now_iso(),
@@ -315,12 +311,12 @@ def machine_info(pyattn, threads, versions, blas_threads, ceilings, args) -> dic
         "logical_cpus": os.cpu_count(),
         "python": platform.python_version(),
         "threads": threads,
-        "pyattn": {k: v for k, v in pyattn.runtime_info().items()},
+        "pyattn": dict(pyattn.runtime_info()),
         "numpy_blas": f"{numpy_blas_name()}; BLAS threads: {blas_threads}",
         "versions": versions,
         "ceilings": ceilings,
-        "env": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OMP_NUM_THREADS",
-                                            "OPENBLAS_NUM_THREADS", "PYATTN_ISA") if k in os.environ},
+        "busy_cpus_before": busy,
+        "env": {k: os.environ[k] for k in ENV_RECORDED if k in os.environ},
         "quick": args.quick,
         "min_time_s": args.min_time,
         "min_runs": args.min_runs,
@@ -335,7 +331,9 @@ def print_header(info: dict, peers: list[str]) -> None:
     fma = ceil["fma_peak_gflops"]
     bw = ceil["read_bandwidth_gbs"]
     print(f"pyattn bench_sdpa   {info['date']}")
-    print(f"CPU: {info['cpu']} ({info['logical_cpus']} logical CPUs); threads for every library: {info['threads']}")
+    print(
+        f"CPU: {info['cpu']} ({info['logical_cpus']} logical CPUs); threads, every library: {info['threads']}"
+    )
     print(
         f"pyattn {rt.get('version')}: isa={rt.get('isa')} available={rt.get('available_isas')} "
         f"openmp={rt.get('openmp')} compiler={rt.get('compiler')}"
@@ -350,8 +348,13 @@ def print_header(info: dict, peers: list[str]) -> None:
     )
     for line in openblas_env_warnings():
         print(line)
+    busy = info["busy_cpus_before"]
+    if busy is not None:
+        print(f"background load before the run: {busy:.1f} of {info['logical_cpus']} CPUs busy")
+        if busy > BUSY_WARN_CPUS:
+            print("WARNING: other processes are using the CPUs; timings will be noisy and slow")
     print("dtype float32; times in ms = median over runs (min ms = fastest run); warm-up excluded")
-    print("GFLOP/s = 4*B*H*D*pairs / time: none/mask rows count all L*S pairs, causal rows only allowed pairs")
+    print("GFLOP/s = 4*B*H*D*pairs / time; none/mask rows count all L*S pairs, causal only allowed ones")
     print("GB/s (decode rows only) = bytes of K+V / time; %bw = of the read bandwidth above")
     print(
         f"max err = max|pyattn - pyattn.reference (float64)|; err on 'all' = whole output, "
@@ -442,8 +445,9 @@ def run_peer(name, case, variant, q, k, v, mask, pyattn_out, args, timing_opts) 
         with args.blas_limit() if name == "numpy" else contextlib.nullcontext():
             t, res = time_call(fn, **timing_opts)
     except Exception as exc:  # noqa: BLE001  (an optional peer must not stop the bench)
-        print(f"  note: peer {name} failed on {case.name}/{variant}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return {"error": f"{type(exc).__name__}: {exc}"}
+        error = f"{type(exc).__name__}: {exc}"
+        print(f"  note: peer {name} failed on {case.name}/{variant}: {error}", file=sys.stderr)
+        return {"error": error}
     diff = float(np.max(np.abs(np.asarray(res, dtype=np.float64) - pyattn_out)))
     if not diff <= PEER_AGREEMENT_TOL:
         print(f"  note: {name} differs from pyattn by {diff:.2e} on {case.name}/{variant}", file=sys.stderr)
@@ -457,16 +461,6 @@ def run_peer(name, case, variant, q, k, v, mask, pyattn_out, args, timing_opts) 
 
 # ----------------------------------------------------------------------------------------------
 # Table
-
-
-def fmt_ms(ms: float | None) -> str:
-    """Milliseconds with ~3-4 significant digits."""
-    if ms is None:
-        return "-"
-    for limit, spec in ((100, ".0f"), (10, ".1f"), (1, ".2f")):
-        if ms >= limit:
-            return format(ms, spec)
-    return format(ms, ".3f")
 
 
 def make_table(peers: list[str]) -> Table:
@@ -521,30 +515,47 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(float32, same thread count) on the DESIGN shape suite.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
-            "environment:\n"
-            "  OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE may be set on this machine and slow NumPy's BLAS\n"
-            "  (the numpy peer). This script never changes them; unset them in the command instead:\n"
-            "    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_sdpa.py\n"
-            "  A warning line is printed when either is set. Without threadpoolctl the numpy peer's BLAS\n"
-            "  thread count is not controlled; add OPENBLAS_NUM_THREADS=N to the command to pin it.\n\n"
-            f"shape names: {', '.join(c.name for c in SUITE)}"
+            ENVIRONMENT_HELP.format(script="bench/bench_sdpa.py")
+            + f"\nshape names: {', '.join(c.name for c in SUITE)}"
         ),
     )
-    parser.add_argument("--threads", type=int, default=os.cpu_count(),
-                        help="threads for every library (default: os.cpu_count() = %(default)s)")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"smoke test: shapes {', '.join(QUICK_SUITE)} and few runs (< 30 s)")
-    parser.add_argument("--shapes", default=None,
-                        help="comma-separated filters; a shape runs if any filter is a substring of its name "
-                        "(e.g. '1x16x1024x64,S=16384') or the filter is 'decode' and L == 1")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help="comma-separated subset of %(default)s")
-    parser.add_argument("--peers", default=",".join(PEERS),
-                        help="comma-separated subset of %(default)s (missing libraries are skipped)")
-    parser.add_argument("--isa", default=None, help="force a pyattn ISA via pyattn._core._set_isa (e.g. avx2)")
-    parser.add_argument("--min-time", type=float, default=None,
-                        help="timed seconds per library and row (default 0.3, --quick 0.05)")
-    parser.add_argument("--min-runs", type=int, default=None, help="minimum timed runs (default 5, --quick 3)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count(),
+        help="threads for every library (default: os.cpu_count() = %(default)s)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke test: shapes {', '.join(QUICK_SUITE)} and few runs (< 30 s)",
+    )
+    parser.add_argument(
+        "--shapes",
+        default=None,
+        help="comma-separated filters; a shape runs if any filter is a substring of its name "
+        "(e.g. '1x16x1024x64,S=16384') or the filter is 'decode' and L == 1",
+    )
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help="comma-separated subset of %(default)s"
+    )
+    parser.add_argument(
+        "--peers",
+        default=",".join(PEERS),
+        help="comma-separated subset of %(default)s (missing libraries are skipped)",
+    )
+    parser.add_argument(
+        "--isa", default=None, help="force a pyattn ISA via pyattn._core._set_isa (e.g. avx2)"
+    )
+    parser.add_argument(
+        "--min-time",
+        type=float,
+        default=None,
+        help="timed seconds per library and row (default 0.3, --quick 0.05)",
+    )
+    parser.add_argument(
+        "--min-runs", type=int, default=None, help="minimum timed runs (default 5, --quick 3)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed for inputs and masks")
     parser.add_argument("--json", metavar="PATH", default=None, help="save machine info and all rows as JSON")
     parser.add_argument("--markdown", action="store_true", help="also print the table as Markdown at the end")
@@ -576,30 +587,17 @@ def select_cases(args) -> list[Case]:
     return cases
 
 
-def import_pyattn(isa: str | None):
-    try:
-        import pyattn
-        import pyattn.reference  # noqa: F401
-    except ImportError as exc:
-        sys.exit(f"bench_sdpa: cannot import pyattn ({exc}); install it first (pip install -e .)")
-    if isa is not None:
-        try:
-            pyattn._core._set_isa(isa)
-        except ValueError as exc:
-            sys.exit(f"bench_sdpa: --isa {isa}: {exc}")
-    return pyattn
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    pyattn = import_pyattn(args.isa)
+    pyattn = import_pyattn(args.isa, "bench_sdpa")
     cases = select_cases(args)
     if not cases:
         sys.exit("bench_sdpa: no shape matches --shapes")
     peers, versions = detect_peers(args.peers)
     args.blas_limit, blas_threads = blas_thread_limiter(args.threads)
+    busy = busy_cpus()  # before anything of ours runs
     ceilings = measure_ceilings(pyattn._core, args.threads, args.quick)
-    info = machine_info(pyattn, args.threads, versions, blas_threads, ceilings, args)
+    info = machine_info(pyattn, args.threads, versions, blas_threads, ceilings, busy, args)
     print_header(info, peers)
 
     table = make_table(peers)
@@ -617,6 +615,10 @@ def main(argv=None) -> int:
     if args.markdown:
         print()
         print(table.markdown())
+    busy_after = busy_cpus()
+    info["busy_cpus_after"] = busy_after
+    if busy_after is not None and busy_after > BUSY_WARN_CPUS:
+        print(f"\nWARNING: background load after the run: {busy_after:.1f} CPUs busy; timings are suspect")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"machine": info, "results": rows}, f, indent=1)
