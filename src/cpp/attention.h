@@ -75,6 +75,21 @@ struct Tile {
   int64_t j_end;
 };
 
+// C[m, n] = bias[n] + sum_k A[m, k] * W[n, k] (a linear layer, W in PyTorch's (out, in) layout),
+// with W pre-packed into panels of `panel` output columns: packed[p][k][c] = W[p*panel + c][k]
+// (zero beyond n), see pack_weights. A and C rows are strided, so C can be a column slice of a
+// wider buffer (e.g. the Q part of a fused QKV projection).
+template <class T>
+struct GemmArgs {
+  const T* a = nullptr;
+  int64_t a_stride = 0;
+  const T* packed = nullptr;  // [panels][k][panel]
+  const T* bias = nullptr;    // [n] or nullptr
+  T* c = nullptr;
+  int64_t c_stride = 0;
+  int64_t m = 0, n = 0, k = 0;
+};
+
 // Kernels of one ISA for one dtype. Single-threaded, allocation-free, no exceptions.
 template <class T>
 struct KernelSet {
@@ -87,6 +102,10 @@ struct KernelSet {
   void (*attend)(const AttnArgs<T>& a, const Tile& t, int64_t block_rows, Scratch<T>& s);
   // Writes normalised softmax weights of the tile's rows for all keys, from the final state.
   void (*write_weights)(const AttnArgs<T>& a, const Tile& t, int64_t block_rows, Scratch<T>& s);
+  int gemm_rows;    // rows of the GEMM register tile
+  int gemm_panel;   // output columns per packed weight panel
+  // C rows [row_begin, row_end) x columns of panel p.
+  void (*gemm)(const GemmArgs<T>& g, int64_t row_begin, int64_t row_end, int64_t p);
 };
 
 struct KernelTable {
@@ -126,6 +145,12 @@ void set_default_num_threads(int n);  // 0 = unset (OpenMP default)
 bool openmp_enabled();
 const char* openmp_runtime();
 double fma_peak_gflops(int num_threads, double seconds);
+
+// gemm.cpp: packing and the threaded GEMM driver.
+template <class T>
+void pack_weights(const T* w, int64_t w_stride, int64_t n, int64_t k, int64_t panel, T* packed);
+template <class T>
+void linear(const GemmArgs<T>& g, int num_threads);
 double read_bandwidth_gbs(int num_threads, int64_t nbytes);
 
 }  // namespace pyattn

@@ -79,6 +79,13 @@ void check_block(const char* name, const py::array& arr, const int64_t* off, int
   }
 }
 
+template <class T>
+const KernelSet<T>& kernels_of();
+template <>
+const KernelSet<float>& kernels_of<float>() { return active_kernels().f32; }
+template <>
+const KernelSet<double>& kernels_of<double>() { return active_kernels().f64; }
+
 bool is_float32(const py::array& a) { return a.dtype().is(py::dtype::of<float>()); }
 bool is_float64(const py::array& a) { return a.dtype().is(py::dtype::of<double>()); }
 bool is_bool(const py::array& a) { return a.dtype().kind() == 'b' && a.itemsize() == 1; }
@@ -181,6 +188,71 @@ void sdpa(const py::array& q, const py::array& k, const py::array& v, const py::
     fail("query: dtype must be float32 or float64");
 }
 
+template <class T>
+py::array_t<T> pack_weights_t(const py::array& w) {
+  const KernelSet<T>& ks = kernels_of<T>();
+  const int64_t n = w.shape(0), k = w.shape(1), panel = ks.gemm_panel;
+  const int64_t panels = (n + panel - 1) / panel;
+  py::array_t<T> packed(std::vector<py::ssize_t>{py::ssize_t(checked_mul(checked_mul(panels, k), panel))});
+  check_aligned("weight", w);
+  if (k > 1 && w.strides(1) != py::ssize_t(sizeof(T))) fail("weight: last axis must be contiguous");
+  const T* src = static_cast<const T*>(w.data());
+  T* dst = packed.mutable_data();
+  const int64_t w_stride = n > 1 ? w.strides(0) / int64_t(sizeof(T)) : 0;
+  py::gil_scoped_release release;
+  pack_weights<T>(src, w_stride, n, k, panel, dst);
+  return packed;
+}
+
+// Packs a (n, k) weight for the active ISA's GEMM; returns (packed, panel).
+py::tuple pack_weights_py(const py::array& w) {
+  if (w.ndim() != 2) fail("weight: expected a 2-D array (out_features, in_features)");
+  if (is_float32(w)) return py::make_tuple(pack_weights_t<float>(w), kernels_of<float>().gemm_panel);
+  if (is_float64(w)) return py::make_tuple(pack_weights_t<double>(w), kernels_of<double>().gemm_panel);
+  fail("weight: dtype must be float32 or float64");
+}
+
+template <class T>
+void linear_t(const py::array& x, const py::array& packed, int64_t panel, int64_t n, const py::object& bias_obj,
+              py::array& out, int num_threads) {
+  const KernelSet<T>& ks = kernels_of<T>();
+  if (panel != ks.gemm_panel) fail("packed weight was packed for another ISA; pack it again");
+  if (x.ndim() != 2 || out.ndim() != 2) fail("x and out must be 2-D");
+  const int64_t m = x.shape(0), k = x.shape(1);
+  if (out.shape(0) != m || out.shape(1) != n) fail("out: shape must be (m, n)");
+  if (!packed.dtype().is(x.dtype()) || !out.dtype().is(x.dtype())) fail("packed and out must share x's dtype");
+  if (packed.ndim() != 1 || packed.size() != checked_mul(checked_mul((n + panel - 1) / panel, k), panel) ||
+      !(packed.flags() & py::array::c_style))
+    fail("packed: size does not match (n, k)");
+  check_aligned("x", x);
+  if (k > 1 && x.strides(1) != py::ssize_t(sizeof(T))) fail("x: last axis must be contiguous");
+  if (!(out.flags() & py::array::c_style) || !out.writeable()) fail("out: must be C-contiguous and writeable");
+  GemmArgs<T> g;
+  g.a = static_cast<const T*>(x.data());
+  g.a_stride = m > 1 ? x.strides(0) / int64_t(sizeof(T)) : 0;
+  g.packed = static_cast<const T*>(packed.data());
+  if (!bias_obj.is_none()) {
+    const py::array bias = py::reinterpret_borrow<py::array>(bias_obj);
+    if (!bias.dtype().is(x.dtype()) || bias.ndim() != 1 || bias.shape(0) != n || !(bias.flags() & py::array::c_style))
+      fail("bias: expected a contiguous 1-D array of n elements and x's dtype");
+    g.bias = static_cast<const T*>(bias.data());
+  }
+  g.c = static_cast<T*>(out.mutable_data());
+  g.c_stride = n;
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  py::gil_scoped_release release;
+  linear<T>(g, num_threads);
+}
+
+void linear_py(const py::array& x, const py::array& packed, int64_t panel, int64_t n, const py::object& bias,
+               py::array out, int num_threads) {
+  if (is_float32(x)) return linear_t<float>(x, packed, panel, n, bias, out, num_threads);
+  if (is_float64(x)) return linear_t<double>(x, packed, panel, n, bias, out, num_threads);
+  fail("x: dtype must be float32 or float64");
+}
+
 std::vector<std::string> isa_list() {
   const char* names[8];
   const int n = available_isas(names, 8);
@@ -226,6 +298,10 @@ PYBIND11_MODULE(_core, m) {
         py::arg("weights"), py::arg("offsets"), py::arg("strides"), py::arg("dims"), py::arg("causal"),
         py::arg("causal_offset"), py::arg("scale"), py::arg("num_threads"),
         "Low-level attention entry; arguments prepared by pyattn._api.");
+  m.def("pack_weights", &pack_weights_py, py::arg("weight"),
+        "Pack a (out_features, in_features) weight for the active ISA's GEMM; returns (packed, panel).");
+  m.def("linear", &linear_py, py::arg("x"), py::arg("packed"), py::arg("panel"), py::arg("n"), py::arg("bias"),
+        py::arg("out"), py::arg("num_threads"), "out = x @ W.T + bias with W packed by pack_weights.");
   m.def("isa", []() { return std::string(active_isa()); }, "Name of the kernel ISA in use.");
   m.def("available_isas", &isa_list, "ISAs compiled into this build and supported by this CPU, worst to best.");
   m.def(

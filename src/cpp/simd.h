@@ -49,6 +49,8 @@ struct Simd<float> {
   static constexpr int lanes = 16;
   static constexpr int row_vecs = 4;  // 4x4 zmm accumulators: 16 chains, 8 loads per 16 FMAs
   static constexpr int col_tile = 4;
+  static constexpr int gemm_rows = 6;  // GEMM: 6 rows x 4 zmm = 24 accumulators, 10 loads per 24 FMAs
+  static constexpr int gemm_vecs = 4;
   static reg zero() { return _mm512_setzero_ps(); }
   static reg set1(float x) { return _mm512_set1_ps(x); }
   static reg load(const float* p) { return _mm512_loadu_ps(p); }
@@ -90,6 +92,8 @@ struct Simd<double> {
   static constexpr int lanes = 8;
   static constexpr int row_vecs = 4;
   static constexpr int col_tile = 4;
+  static constexpr int gemm_rows = 6;
+  static constexpr int gemm_vecs = 4;
   static reg zero() { return _mm512_setzero_pd(); }
   static reg set1(double x) { return _mm512_set1_pd(x); }
   static reg load(const double* p) { return _mm512_loadu_pd(p); }
@@ -127,6 +131,8 @@ struct Simd<float> {
   static constexpr int lanes = 8;
   static constexpr int row_vecs = 2;  // 2x6 ymm accumulators + 2 loads + 1 broadcast = 15 of 16 registers
   static constexpr int col_tile = 6;
+  static constexpr int gemm_rows = 6;  // GEMM: 6 rows x 2 ymm = 12 accumulators + 2 loads + 1 broadcast
+  static constexpr int gemm_vecs = 2;
   static reg zero() { return _mm256_setzero_ps(); }
   static reg set1(float x) { return _mm256_set1_ps(x); }
   static reg load(const float* p) { return _mm256_loadu_ps(p); }
@@ -167,6 +173,8 @@ struct Simd<double> {
   static constexpr int lanes = 4;
   static constexpr int row_vecs = 2;
   static constexpr int col_tile = 6;
+  static constexpr int gemm_rows = 6;
+  static constexpr int gemm_vecs = 2;
   static reg zero() { return _mm256_setzero_pd(); }
   static reg set1(double x) { return _mm256_set1_pd(x); }
   static reg load(const double* p) { return _mm256_loadu_pd(p); }
@@ -204,6 +212,8 @@ struct Simd {
   static constexpr int lanes = 1;
   static constexpr int row_vecs = 4;  // 4 rows x 4 keys of scalar accumulators
   static constexpr int col_tile = 4;
+  static constexpr int gemm_rows = 4;
+  static constexpr int gemm_vecs = 4;
   static reg zero() { return T(0); }
   static reg set1(T x) { return x; }
   static reg load(const T* p) { return *p; }

@@ -1,0 +1,77 @@
+// SPDX-License-Identifier: MIT
+// The GEMM driver of the linear layers: weight packing and the threaded loop over output tiles.
+//
+// Tasks are (block of rows, weight panel) pairs, row-block major, so a thread that takes consecutive
+// panels of one row block keeps those A rows in its L2. Each C element is produced by one task with
+// the full K reduction, so results do not depend on the thread count.
+
+#include <algorithm>
+
+#include "attention.h"
+
+#if defined(PYATTN_OPENMP)
+#include <omp.h>
+#endif
+
+namespace pyattn {
+namespace {
+
+template <class T>
+const KernelSet<T>& kernels_for(const KernelTable& t);
+template <>
+const KernelSet<float>& kernels_for<float>(const KernelTable& t) { return t.f32; }
+template <>
+const KernelSet<double>& kernels_for<double>(const KernelTable& t) { return t.f64; }
+
+// Rows per task: 16 register tiles (96 rows on AVX2/AVX-512) amortise the panel's trip through L2.
+constexpr int64_t kTilesPerTask = 16;
+
+}  // namespace
+
+template <class T>
+void pack_weights(const T* w, int64_t w_stride, int64_t n, int64_t k, int64_t panel, T* packed) {
+  const int64_t panels = (n + panel - 1) / panel;
+  for (int64_t p = 0; p < panels; ++p) {
+    T* dst = packed + p * k * panel;
+    for (int64_t c = 0; c < panel; ++c) {
+      const int64_t col = p * panel + c;
+      if (col < n) {
+        const T* src = w + col * w_stride;
+        for (int64_t kk = 0; kk < k; ++kk) dst[kk * panel + c] = src[kk];
+      } else {
+        for (int64_t kk = 0; kk < k; ++kk) dst[kk * panel + c] = T(0);
+      }
+    }
+  }
+}
+
+template <class T>
+void linear(const GemmArgs<T>& g, int num_threads) {
+  if (g.m == 0 || g.n == 0) return;
+  const KernelSet<T>& ks = kernels_for<T>(active_kernels());
+  const int64_t panels = (g.n + ks.gemm_panel - 1) / ks.gemm_panel;
+  const int64_t rows_per_task = kTilesPerTask * ks.gemm_rows;
+  const int64_t row_blocks = (g.m + rows_per_task - 1) / rows_per_task;
+  const int64_t tasks = panels * row_blocks;
+  auto body = [&](int64_t t) {
+    const int64_t rb = t / panels, p = t % panels;
+    const int64_t r0 = rb * rows_per_task;
+    ks.gemm(g, r0, std::min(g.m, r0 + rows_per_task), p);
+  };
+  const int threads = int(std::max<int64_t>(1, std::min<int64_t>(num_threads > 0 ? num_threads : default_num_threads(), tasks)));
+#if defined(PYATTN_OPENMP)
+  if (threads > 1) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t t = 0; t < tasks; ++t) body(t);
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < tasks; ++t) body(t);
+}
+
+template void pack_weights<float>(const float*, int64_t, int64_t, int64_t, int64_t, float*);
+template void pack_weights<double>(const double*, int64_t, int64_t, int64_t, int64_t, double*);
+template void linear<float>(const GemmArgs<float>&, int);
+template void linear<double>(const GemmArgs<double>&, int);
+
+}  // namespace pyattn
