@@ -31,6 +31,7 @@ sdpa = pyattn.scaled_dot_product_attention
 def test_head_dim_sweep(isa, dtype, rng, head_dim, q_len, kv_len):
     q, k, v = make_qkv(rng, dtype, batch=(1,), q_heads=2, q_len=q_len, kv_len=kv_len, head_dim=head_dim)
     check_against_reference(q, k, v)
+    check_against_reference(q, k, v, random_mask(rng, (q_len, kv_len), "float", dtype), is_causal=True)
 
 
 @pytest.mark.parametrize("head_dim, value_dim", [(8, 1), (8, 3), (16, 33), (64, 17), (5, 128), (33, 64), (128, 64)])
@@ -40,11 +41,26 @@ def test_value_dim_differs(isa, dtype, rng, head_dim, value_dim):
     assert out.shape == (2, 2, 17, value_dim)
 
 
+@pytest.mark.parametrize("value_dim", range(1, 34))
+def test_value_dim_sweep(isa, dtype, rng, value_dim):
+    q, k, v = make_qkv(rng, dtype, batch=(1,), q_heads=2, q_len=17, kv_len=113, head_dim=16, value_dim=value_dim)
+    check_against_reference(q, k, v, random_mask(rng, (17, 113), "bool", dtype), is_causal="lower_right")
+
+
 @pytest.mark.parametrize("q_len", [1, 3, 17, 75, 113])
 @pytest.mark.parametrize("kv_len", [1, 3, 17, 75, 113])
 def test_odd_lengths(isa, dtype, rng, q_len, kv_len):
     q, k, v = make_qkv(rng, dtype, batch=(1,), q_heads=2, q_len=q_len, kv_len=kv_len, head_dim=64)
     check_against_reference(q, k, v)
+
+
+# Around SIMD widths, register tiles (4..64 query rows) and key blocks (64..512 keys) of every ISA.
+@pytest.mark.parametrize("q_len", [16, 33, 64, 65])
+@pytest.mark.parametrize("kv_len", [63, 64, 65, 128, 513])
+def test_block_boundaries(isa, dtype, rng, q_len, kv_len):
+    q, k, v = make_qkv(rng, dtype, q_heads=2, q_len=q_len, kv_len=kv_len, head_dim=20, value_dim=13)
+    mask = random_mask(rng, (q_len, kv_len), "bool", dtype, p_allowed=0.9)
+    check_against_reference(q, k, v, mask, is_causal="lower_right", return_weights=True)
 
 
 @pytest.mark.parametrize(
@@ -64,6 +80,49 @@ def test_long_sequences(isa, dtype, rng, q_len, kv_len, options):
 def test_long_sequence_with_mask(isa, dtype, rng):
     q, k, v = make_qkv(rng, dtype, q_heads=1, q_len=113, kv_len=1030, head_dim=32)
     check_against_reference(q, k, v, random_mask(rng, (113, 1030), "bool", dtype))
+
+
+@pytest.mark.parametrize("q_len", [1, 5, 17])
+@pytest.mark.parametrize("is_causal", [False, True, "lower_right"])
+def test_few_queries_long_kv(isa, dtype, rng, q_len, is_causal):
+    # Few (batch, head, query-block) tasks and many keys: the driver splits the key range into
+    # chunks and merges them; under a causal mask whole chunks have nothing allowed.
+    q, k, v = make_qkv(rng, dtype, q_heads=1, q_len=q_len, kv_len=3001, head_dim=24, value_dim=40)
+    check_against_reference(q, k, v, is_causal=is_causal)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_few_queries_long_kv_padding_mask(isa, dtype, rng, mask_kind):
+    # Padding masks forbid whole key chunks (or all but a few keys); their K/V hold NaN and Inf.
+    kv_len = 3001
+    q, k, v = make_qkv(rng, dtype, batch=(3,), q_heads=2, q_len=4, kv_len=kv_len, head_dim=16)
+    k, v = k.copy(), v.copy()
+    allowed = np.ones((3, 1, 1, kv_len), dtype=bool)
+    allowed[0, ..., kv_len // 3 :] = False
+    allowed[1, ..., : kv_len - 5] = False
+    allowed[2] = False
+    k[0, :, kv_len // 3 + 7], v[0, :, kv_len // 2] = np.nan, np.inf
+    k[1, :, 10], v[1, :, 100] = np.inf, np.nan
+    k[2, :, 0], v[2, :, -1] = np.nan, np.nan
+    mask = allowed if mask_kind == "bool" else np.where(allowed, 0.0, -np.inf).astype(dtype)
+    out = check_against_reference(q, k, v, mask)
+    assert np.isfinite(out).all() and np.all(out[2] == 0)
+
+
+def test_block_sparse_mask(isa, dtype, rng):
+    # Whole key blocks forbidden or allowed for runs of query rows: block skipping and per-element
+    # fix-up both happen.
+    q_len, kv_len = 300, 1030
+    q, k, v = make_qkv(rng, dtype, q_heads=2, q_len=q_len, kv_len=kv_len, head_dim=32)
+    blocks = rng.random((q_len // 10 + 1, kv_len // 50 + 1)) < 0.4
+    mask = np.repeat(np.repeat(blocks, 10, axis=0), 50, axis=1)[:q_len, :kv_len]
+    check_against_reference(q, k, v, mask, is_causal="lower_right", return_weights=True)
+
+
+@pytest.mark.parametrize("head_dim, value_dim", [(256, 256), (512, 64), (64, 512), (300, 7)])
+def test_large_head_dims_long_kv(isa, dtype, rng, head_dim, value_dim):
+    q, k, v = make_qkv(rng, dtype, q_heads=2, q_len=75, kv_len=600, head_dim=head_dim, value_dim=value_dim)
+    check_against_reference(q, k, v, is_causal="lower_right")
 
 
 def test_two_dim_inputs(isa, dtype, rng):
@@ -148,7 +207,7 @@ MASK_SHAPES = [
 def test_mask_broadcast_shapes(isa, dtype, rng, mask_kind, mask_shape):
     q, k, v = make_qkv(rng, dtype, batch=(BATCH,), q_heads=HEADS, q_len=Q_LEN, kv_len=KV_LEN, head_dim=16)
     mask = random_mask(rng, mask_shape, mask_kind, dtype)
-    check_against_reference(q, k, v, nan_guarded(mask) if mask.ndim > 1 else mask)
+    check_against_reference(q, k, v, nan_guarded(mask))
 
 
 def _mask_views(rng, kind, dtype):
@@ -161,12 +220,21 @@ def _mask_views(rng, kind, dtype):
         "transposed": random_mask(rng, (KV_LEN, Q_LEN), kind, dtype).T,
         "reversed": random_mask(rng, (HEADS, Q_LEN, KV_LEN), kind, dtype)[::-1, ::-1, ::-1],
         "stepped": random_mask(rng, (2 * Q_LEN, 3 * KV_LEN), kind, dtype)[::2, ::3],
+        "unaligned": _unaligned_copy(random_mask(rng, (Q_LEN, KV_LEN), kind, dtype)),
     }
+
+
+def _unaligned_copy(array):
+    """A C-contiguous copy of `array` whose data pointer is one byte past an aligned address."""
+    raw = np.zeros(array.nbytes + 1, dtype=np.uint8)
+    copy = raw[1:].view(array.dtype).reshape(array.shape)
+    copy[...] = array
+    return copy
 
 
 @pytest.mark.parametrize("mask_kind", ["bool", "float"])
 @pytest.mark.parametrize(
-    "view", ["broadcast_row", "broadcast_col", "broadcast_heads", "transposed", "reversed", "stepped"]
+    "view", ["broadcast_row", "broadcast_col", "broadcast_heads", "transposed", "reversed", "stepped", "unaligned"]
 )
 def test_mask_views(isa, dtype, rng, mask_kind, view):
     q, k, v = make_qkv(rng, dtype, batch=(BATCH,), q_heads=HEADS, q_len=Q_LEN, kv_len=KV_LEN, head_dim=16)
@@ -198,8 +266,9 @@ def test_causal_true_is_upper_left(isa, dtype, rng):
 @pytest.mark.parametrize("is_causal", [False, "lower_right"])
 @pytest.mark.parametrize("with_mask", [False, True])
 def test_gqa(isa, dtype, rng, q_heads, kv_heads, is_causal, with_mask):
-    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=q_heads, kv_heads=kv_heads, q_len=17, kv_len=19,
-                       head_dim=16, value_dim=12)
+    q, k, v = make_qkv(
+        rng, dtype, batch=(2,), q_heads=q_heads, kv_heads=kv_heads, q_len=17, kv_len=19, head_dim=16, value_dim=12
+    )
     mask = random_mask(rng, (q_heads, 17, 19), "float", dtype) if with_mask else None
     out = check_against_reference(q, k, v, mask, is_causal=is_causal, enable_gqa=True)
     assert out.shape == (2, q_heads, 17, 12)
@@ -225,7 +294,11 @@ def test_default_scale(isa, dtype, rng):
 
 
 def _layout(rng, dtype, name, shape):
-    """A (B, H, N, D) view of random data laid out as `name` describes; the last case copies."""
+    """A (B, H, N, D) view of random data laid out as `name` says.
+
+    pyattn reads most of these in place; a non-contiguous last axis, a misaligned pointer or a row
+    stride that is not a whole number of elements makes it copy first. Either way the result holds.
+    """
     b, h, n, d = shape
     if name == "bshd":
         return np.swapaxes(random_array(rng, (b, n, h, d), dtype), 1, 2)
@@ -243,10 +316,28 @@ def _layout(rng, dtype, name, shape):
         return random_array(rng, shape, dtype)[..., ::-1]
     if name == "fortran":
         return np.asfortranarray(random_array(rng, shape, dtype, guard=False))
+    if name == "unaligned":
+        return _unaligned_copy(random_array(rng, shape, dtype, guard=False))
+    if name == "odd_byte_rows":
+        # Rows 4*d + 1 (or 8*d + 1) bytes apart: a field of a packed structured array.
+        records = np.zeros((b, h, n), dtype=[("x", dtype, (d,)), ("pad", np.uint8)])
+        records["x"] = random_array(rng, shape, dtype, guard=False)
+        return records["x"]
     raise AssertionError(name)
 
 
-LAYOUTS = ["bshd", "stepped", "reversed", "offset", "head_major", "noncontiguous_last", "reversed_last", "fortran"]
+LAYOUTS = [
+    "bshd",
+    "stepped",
+    "reversed",
+    "offset",
+    "head_major",
+    "noncontiguous_last",
+    "reversed_last",
+    "fortran",
+    "unaligned",
+    "odd_byte_rows",
+]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -257,11 +348,14 @@ def test_layouts(isa, dtype, rng, layout):
     check_against_reference(q, k, v, random_mask(rng, (17, 75), "float", dtype), is_causal="lower_right")
 
 
-@pytest.mark.parametrize("q_layout, k_layout, v_layout", [
-    ("bshd", "reversed", "stepped"),
-    ("stepped", "bshd", "noncontiguous_last"),
-    ("noncontiguous_last", "head_major", "reversed"),
-])
+@pytest.mark.parametrize(
+    "q_layout, k_layout, v_layout",
+    [
+        ("bshd", "reversed", "stepped"),
+        ("stepped", "bshd", "noncontiguous_last"),
+        ("noncontiguous_last", "head_major", "reversed"),
+    ],
+)
 def test_mixed_layouts(isa, dtype, rng, q_layout, k_layout, v_layout):
     q = _layout(rng, dtype, q_layout, (2, 4, 17, 16))
     k = _layout(rng, dtype, k_layout, (2, 2, 19, 16))
@@ -307,21 +401,25 @@ def test_return_weights(isa, dtype, rng, is_causal):
     has_keys = reference.scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, return_weights=True)[1]
     has_keys = has_keys.sum(axis=-1) > 0.5
     assert not has_keys[0, :, 3].any() and has_keys.sum() > 40
-    np.testing.assert_allclose(weights.astype(np.float64).sum(axis=-1), has_keys.astype(np.float64),
-                               rtol=0, atol=75 * TOL[dtype][1])
+    np.testing.assert_allclose(
+        weights.astype(np.float64).sum(axis=-1), has_keys.astype(np.float64), rtol=0, atol=75 * TOL[dtype][1]
+    )
     assert np.all(weights[0, :, 3] == 0) and np.all(out[0, :, 3] == 0)
     # The output is exactly what the returned weights say, and the same as without weights.
     assert_close(out, weights.astype(np.float64) @ v.astype(np.float64), dtype)
     np.testing.assert_array_equal(out, sdpa(q, k, v, mask, is_causal=is_causal))
 
 
-@pytest.mark.parametrize("options", [
-    dict(),
-    dict(is_causal=True),
-    dict(is_causal="lower_right", return_weights=True),
-    dict(mask="bool"),
-    dict(mask="float", enable_gqa=True),
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(is_causal=True),
+        dict(is_causal="lower_right", return_weights=True),
+        dict(mask="bool"),
+        dict(mask="float", enable_gqa=True),
+    ],
+)
 def test_num_threads_bitwise_identical(isa, dtype, rng, options):
     options = dict(options)
     kv_heads = 1 if options.get("enable_gqa") else 4
@@ -349,6 +447,21 @@ def test_fully_masked_rows_are_zero(isa, dtype, rng, mask_kind):
     out, weights = check_against_reference(q, k, v, mask, return_weights=True)
     assert np.all(out[:, :, [0, 5, 16]] == 0) and np.all(out[1, 0] == 0)
     assert np.all(weights[:, :, [0, 5, 16]] == 0) and np.all(weights[1, 0] == 0)
+
+
+def test_float_mask_at_dtype_lowest_is_finite(isa, dtype, rng):
+    # Masks built with np.finfo(dtype).min (PyTorch / Hugging Face style) hold a finite value: it is
+    # added, not treated as forbidden. In a row made only of it the scores are absorbed (the ulp of
+    # finfo.min dwarfs them), so the softmax is uniform, as in PyTorch; it is not a fully masked row.
+    q, k, v = make_qkv(rng, dtype, q_heads=2, q_len=5, kv_len=7, head_dim=8)
+    mask = np.full((5, 7), np.finfo(dtype).min, dtype=dtype)
+    mask[0] = 0
+    mask[2, 4] = 0
+    out = sdpa(q, k, v, mask)
+    expected = np.broadcast_to(v.astype(np.float64).mean(axis=-2, keepdims=True), out.shape).copy()
+    expected[:, 0] = reference.scaled_dot_product_attention(q, k, v)[:, 0]
+    expected[:, 2] = v[:, 4]
+    assert_close(out, expected, dtype)
 
 
 @pytest.mark.parametrize("q_len, kv_len", [(17, 5), (75, 3)])

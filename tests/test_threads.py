@@ -36,6 +36,13 @@ def test_bitwise_identical_for_any_thread_count(isa, dtype, rng, batch, heads, q
             np.testing.assert_array_equal(first, other)
 
 
+def test_more_threads_than_work(isa, dtype, rng):
+    q, k, v = make_qkv(rng, dtype, q_heads=3, q_len=33, kv_len=65, head_dim=8)
+    expected = sdpa(q, k, v, num_threads=1)
+    for n in (7, 64):
+        np.testing.assert_array_equal(sdpa(q, k, v, num_threads=n), expected)
+
+
 def test_decode_shape_across_thread_counts(isa, dtype, rng):
     # One query row against a long cache: DESIGN allows splitting the row across threads here, so
     # results need only agree within tolerance (and with the reference).

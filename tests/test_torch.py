@@ -48,8 +48,9 @@ def test_matches_torch(isa, dtype, rng, case, q_len, kv_len):
     options = dict(CASES[case])
     mask_kind = options.pop("mask", None)
     kv_heads = 2 if options.get("enable_gqa") else 4
-    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=4, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
-                       head_dim=32, value_dim=24)
+    q, k, v = make_qkv(
+        rng, dtype, batch=(2,), q_heads=4, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, head_dim=32, value_dim=24
+    )
     mask = None if mask_kind is None else mask_with_a_key_per_row(rng, (2, 1, q_len, kv_len), mask_kind, dtype)
     got = pyattn.scaled_dot_product_attention(q, k, v, mask, **options)
     assert_close(got, torch_sdpa(q, k, v, mask, **options), dtype)

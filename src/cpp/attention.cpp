@@ -84,11 +84,12 @@ size_t state_elems(int64_t block_rows, int64_t value_dim) {
 
 // out[i][e] = acc[e][i] / l[i]; a row that saw no allowed key (l == 0) becomes zeros.
 template <class T>
-void finalize(const RowState<T>& s, int64_t block_rows, int64_t rows, int64_t value_dim, T* out) {
+void finalize(const RowState<T>& s, int64_t block_rows, int64_t rows, int64_t value_dim, T* out,
+              int64_t out_stride) {
   for (int64_t i = 0; i < rows; ++i) {
     const T l = s.l[i];
     const T inv = l == T(0) ? T(0) : T(1) / l;
-    T* o = out + i * value_dim;
+    T* o = out + i * out_stride;
     for (int64_t e = 0; e < value_dim; ++e) o[e] = s.acc[e * block_rows + i] * inv;
   }
 }
@@ -96,7 +97,7 @@ void finalize(const RowState<T>& s, int64_t block_rows, int64_t rows, int64_t va
 // Merges the partial states of one task's key chunks (in chunk order) into `out`.
 template <class T>
 void merge_partials(T* partials, size_t stride, int64_t nsplit, int64_t block_rows, int64_t rows,
-                    int64_t value_dim, T* out) {
+                    int64_t value_dim, T* out, int64_t out_stride) {
   for (int64_t i = 0; i < rows; ++i) {
     T m = -std::numeric_limits<T>::infinity();
     bool nan = false;
@@ -107,7 +108,7 @@ void merge_partials(T* partials, size_t stride, int64_t nsplit, int64_t block_ro
     }
     if (nan) m = std::numeric_limits<T>::quiet_NaN();
     T l = 0;
-    T* o = out + i * value_dim;
+    T* o = out + i * out_stride;
     for (int64_t e = 0; e < value_dim; ++e) o[e] = T(0);
     for (int64_t c = 0; c < nsplit; ++c) {
       const RowState<T> s = state_at(partials + c * stride, block_rows, value_dim);
@@ -196,7 +197,7 @@ void scaled_dot_product_attention(const AttnArgs<T>& a, int num_threads) {
       return;
     }
     ks.attend(a, t, block_rows, s);
-    finalize(s.state, block_rows, t.rows, a.value_dim, a.out + (t.bh * a.q_len + t.i0) * a.value_dim);
+    finalize(s.state, block_rows, t.rows, a.value_dim, a.out_rows(t.bh) + t.i0 * a.out_stride_l, a.out_stride_l);
     if (a.weights) ks.write_weights(a, t, block_rows, s);
   });
 
@@ -204,7 +205,7 @@ void scaled_dot_product_attention(const AttnArgs<T>& a, int num_threads) {
     parallel_for(tasks, threads, [&](int64_t task) {
       const Tile t = tile_of(task);
       merge_partials(partials->data() + sstate * size_t(task * nsplit), sstate, nsplit, block_rows, t.rows,
-                     a.value_dim, a.out + (t.bh * a.q_len + t.i0) * a.value_dim);
+                     a.value_dim, a.out_rows(t.bh) + t.i0 * a.out_stride_l, a.out_stride_l);
     });
   }
 }

@@ -11,32 +11,48 @@ namespace pyattn {
 
 enum class MaskKind : int { none = 0, boolean = 1, additive = 2 };
 
+// One mask operand, addressed as data + offset[bh] + i * stride_l + j * stride_s (elements; strides
+// may be 0 for broadcast axes, or negative). Boolean masks are uint8: nonzero = may attend, or,
+// with true_forbids, nonzero = forbidden (torch.nn.MultiheadAttention's convention). Additive masks
+// have the input dtype and are added to the scaled scores; -inf forbids.
+struct MaskSlot {
+  const void* data = nullptr;
+  MaskKind kind = MaskKind::none;
+  bool true_forbids = false;
+  const int64_t* offset = nullptr;  // [batch_heads]
+  int64_t stride_l = 0;
+  int64_t stride_s = 0;
+};
+
 // One scaled-dot-product-attention call, flattened to (batch*heads) independent heads.
-// Every array is addressed as base + offset[bh] + row * row_stride + column, in elements; the last
-// axis of q, k, v, out, weights is contiguous. The offsets already encode batch broadcasting and GQA
-// (query head h reads key/value head h / group), so kernels never see either.
+// q, k, v are addressed as base + offset[bh] + row * row_stride + column, in elements; their last
+// axis is contiguous. The offsets already encode batch broadcasting and GQA (query head h reads
+// key/value head h / group), so kernels never see either. The output of head bh = b * num_heads + h
+// starts at out + b * out_stride_b + h * out_stride_h, rows out_stride_l apart (so a multi-head
+// layer can write heads side by side, (batch, q_len, heads * value_dim)); weights, when requested,
+// are C-contiguous (batch_heads, q_len, kv_len). At most two masks apply (all must allow).
 template <class T>
 struct AttnArgs {
   const T* q = nullptr;
   const T* k = nullptr;
   const T* v = nullptr;
-  T* out = nullptr;      // C-contiguous (batch_heads, q_len, value_dim)
-  T* weights = nullptr;  // nullptr, or C-contiguous (batch_heads, q_len, kv_len)
-  const void* mask = nullptr;  // bool (uint8, nonzero = may attend) or T (added to scaled scores)
-  MaskKind mask_kind = MaskKind::none;
+  T* out = nullptr;
+  T* weights = nullptr;
+  MaskSlot masks[2];
 
-  const int64_t* q_offset = nullptr;     // [batch_heads]
-  const int64_t* k_offset = nullptr;     // [batch_heads]
-  const int64_t* v_offset = nullptr;     // [batch_heads]
-  const int64_t* mask_offset = nullptr;  // [batch_heads] when mask_kind != none
+  const int64_t* q_offset = nullptr;  // [batch_heads]
+  const int64_t* k_offset = nullptr;  // [batch_heads]
+  const int64_t* v_offset = nullptr;  // [batch_heads]
 
   int64_t q_stride_l = 0;
   int64_t k_stride_s = 0;
   int64_t v_stride_s = 0;
-  int64_t mask_stride_l = 0;  // may be 0 (broadcast) or negative
-  int64_t mask_stride_s = 0;  // may be 0 (broadcast) or negative
+  int64_t out_stride_b = 0;
+  int64_t out_stride_h = 0;
+  int64_t out_stride_l = 0;
 
   int64_t batch_heads = 0;
+  int64_t num_heads = 1;  // heads per batch entry (for the output addressing)
   int64_t q_len = 0;
   int64_t kv_len = 0;
   int64_t head_dim = 0;
@@ -45,7 +61,9 @@ struct AttnArgs {
   bool causal = false;
   int64_t causal_offset = 0;  // query i may see keys j <= i + causal_offset
 
-  double scale = 1.0;  // multiplies q.k before the mask is added
+  double scale = 1.0;  // multiplies q.k before the masks are added
+
+  T* out_rows(int64_t bh) const { return out + (bh / num_heads) * out_stride_b + (bh % num_heads) * out_stride_h; }
 };
 
 // The running state of the online softmax for one block of query rows, laid out with query rows

@@ -105,6 +105,28 @@ void check_output(const char* name, const py::array& arr, const py::dtype& dt, i
   if (arr.size() != expected_size) fail(std::string(name) + ": wrong number of elements");
 }
 
+// A mask operand after its checks: bool (uint8) or the inputs' float dtype, every (bh, i, j) the kernel
+// will read inside the array.
+template <class T>
+MaskSlot mask_slot(const char* name, const py::object& obj, const py::dtype& dt, const int64_t* offset,
+                   int64_t stride_l, int64_t stride_s, bool true_forbids, int64_t batch_heads, int64_t q_len,
+                   int64_t kv_len) {
+  MaskSlot m;
+  if (obj.is_none()) return m;
+  const py::array mask = py::reinterpret_borrow<py::array>(obj);
+  if (is_bool(mask)) m.kind = MaskKind::boolean;
+  else if (mask.dtype().is(dt)) m.kind = MaskKind::additive;
+  else fail(std::string(name) + ": dtype must be bool or the inputs' dtype");
+  check_aligned(name, mask);
+  check_block(name, mask, offset, batch_heads, q_len, stride_l, kv_len, stride_s);
+  m.data = mask.data();
+  m.true_forbids = true_forbids;
+  m.offset = offset;
+  m.stride_l = stride_l;
+  m.stride_s = stride_s;
+  return m;
+}
+
 template <class T>
 void run_sdpa(const py::array& q, const py::array& k, const py::array& v, const py::object& mask_obj,
               py::array& out, const py::object& weights_obj, const py::array_t<int64_t>& offsets,
@@ -121,8 +143,6 @@ void run_sdpa(const py::array& q, const py::array& k, const py::array& v, const 
   a.q_stride_l = strides[0];
   a.k_stride_s = strides[1];
   a.v_stride_s = strides[2];
-  a.mask_stride_l = strides[3];
-  a.mask_stride_s = strides[4];
   a.causal = causal != 0;
   a.causal_offset = causal_offset;
   a.scale = scale;
@@ -134,7 +154,6 @@ void run_sdpa(const py::array& q, const py::array& k, const py::array& v, const 
   a.q_offset = off;
   a.k_offset = off + a.batch_heads;
   a.v_offset = off + 2 * a.batch_heads;
-  a.mask_offset = off + 3 * a.batch_heads;
 
   check_aligned("query", q);
   check_aligned("key", k);
@@ -146,21 +165,15 @@ void run_sdpa(const py::array& q, const py::array& k, const py::array& v, const 
   a.k = static_cast<const T*>(k.data());
   a.v = static_cast<const T*>(v.data());
 
-  py::array mask;
-  if (!mask_obj.is_none()) {
-    mask = py::reinterpret_borrow<py::array>(mask_obj);
-    if (is_bool(mask)) a.mask_kind = MaskKind::boolean;
-    else if (mask.dtype().is(q.dtype())) a.mask_kind = MaskKind::additive;
-    else fail("attn_mask: dtype must be bool or the query's dtype");
-    check_aligned("attn_mask", mask);
-    check_block("attn_mask", mask, a.mask_offset, a.batch_heads, a.q_len, a.mask_stride_l, a.kv_len,
-                a.mask_stride_s);
-    a.mask = mask.data();
-  }
+  a.masks[0] = mask_slot<T>("attn_mask", mask_obj, q.dtype(), off + 3 * a.batch_heads, strides[3], strides[4],
+                            false, a.batch_heads, a.q_len, a.kv_len);
 
   const int64_t out_size = checked_mul(checked_mul(a.batch_heads, a.q_len), a.value_dim);
   check_output("out", out, q.dtype(), out_size);
   a.out = static_cast<T*>(out.mutable_data());
+  a.num_heads = a.batch_heads > 0 ? a.batch_heads : 1;  // one batch entry: head bh = bh
+  a.out_stride_h = a.q_len * a.value_dim;
+  a.out_stride_l = a.value_dim;
   py::array weights;
   if (!weights_obj.is_none()) {
     weights = py::reinterpret_borrow<py::array>(weights_obj);

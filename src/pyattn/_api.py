@@ -38,9 +38,11 @@ def _kernel_layout(x, contiguous_last=True):
     item = x.itemsize
     last_ok = not contiguous_last or x.shape[-1] <= 1 or x.strides[-1] == item
     strides_ok = all(n <= 1 or s % item == 0 for n, s in zip(x.shape, x.strides))
-    if last_ok and strides_ok and x.ctypes.data % item == 0:
+    if last_ok and strides_ok and x.flags.aligned:
         return x
-    return np.ascontiguousarray(x)
+    copy = np.empty(x.shape, dtype=x.dtype)  # fresh allocations are aligned, unlike ascontiguousarray(x)
+    copy[...] = x
+    return copy
 
 
 def _as_heads(x):
