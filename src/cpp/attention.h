@@ -164,6 +164,40 @@ bool openmp_enabled();
 const char* openmp_runtime();
 double fma_peak_gflops(int num_threads, double seconds);
 
+// One multi-head attention layer (inference), batch-first: three projections, attention, output
+// projection, in one call. Inputs are row matrices (batch * len, features) with a row stride; weights
+// are packed by pack_weights for the active ISA (W in (out_features, in_features) layout), biases may
+// be null. Query head h uses key/value head h / (num_heads / num_kv_heads). Mask offsets are per
+// (batch * num_heads + h). `out` is C-contiguous (batch * q_len, embed_dim); `weights`, when not
+// null, C-contiguous (batch, num_heads, q_len, kv_len).
+template <class T>
+struct MhaArgs {
+  const T* xq = nullptr;
+  const T* xk = nullptr;
+  const T* xv = nullptr;
+  int64_t xq_stride = 0, xk_stride = 0, xv_stride = 0;
+  int64_t batch = 0, q_len = 0, kv_len = 0;
+  int64_t embed_dim = 0, kdim = 0, vdim = 0;
+  int64_t num_heads = 1, num_kv_heads = 1, head_dim = 0;
+  const T* packed_q = nullptr;
+  const T* packed_k = nullptr;
+  const T* packed_v = nullptr;
+  const T* packed_o = nullptr;
+  const T* bias_q = nullptr;
+  const T* bias_k = nullptr;
+  const T* bias_v = nullptr;
+  const T* bias_o = nullptr;
+  MaskSlot masks[2];
+  bool causal = false;
+  int64_t causal_offset = 0;
+  T* out = nullptr;
+  T* weights = nullptr;
+};
+
+// mha.cpp
+template <class T>
+void multi_head_attention(const MhaArgs<T>& m, int num_threads);
+
 // gemm.cpp: packing and the threaded GEMM driver.
 template <class T>
 void pack_weights(const T* w, int64_t w_stride, int64_t n, int64_t k, int64_t panel, T* packed);

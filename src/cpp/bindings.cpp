@@ -266,6 +266,108 @@ void linear_py(const py::array& x, const py::array& packed, int64_t panel, int64
   fail("x: dtype must be float32 or float64");
 }
 
+// A row matrix input (rows, cols) of the MHA: 2-D, dtype T, last axis contiguous; returns its row stride.
+template <class T>
+int64_t row_matrix(const char* name, const py::array& x, int64_t rows, int64_t cols) {
+  if (x.ndim() != 2 || x.shape(0) != rows || x.shape(1) != cols) fail(std::string(name) + ": wrong shape");
+  if (!x.dtype().is(py::dtype::of<T>())) fail(std::string(name) + ": wrong dtype");
+  check_aligned(name, x);
+  if (cols > 1 && x.strides(1) != py::ssize_t(sizeof(T))) fail(std::string(name) + ": last axis must be contiguous");
+  return rows > 1 ? x.strides(0) / int64_t(sizeof(T)) : 0;
+}
+
+template <class T>
+const T* packed_weight(const char* name, const py::array& p, int64_t n, int64_t k) {
+  const int64_t panel = kernels_of<T>().gemm_panel;
+  if (!p.dtype().is(py::dtype::of<T>()) || p.ndim() != 1 || !(p.flags() & py::array::c_style) ||
+      p.size() != checked_mul(checked_mul((n + panel - 1) / panel, k), panel))
+    fail(std::string(name) + ": packed weight does not match its shape or the active ISA; pack it again");
+  return static_cast<const T*>(p.data());
+}
+
+template <class T>
+const T* optional_bias(const char* name, const py::object& obj, int64_t n) {
+  if (obj.is_none()) return nullptr;
+  const py::array b = py::reinterpret_borrow<py::array>(obj);
+  if (!b.dtype().is(py::dtype::of<T>()) || b.ndim() != 1 || b.shape(0) != n || !(b.flags() & py::array::c_style))
+    fail(std::string(name) + ": expected a contiguous 1-D array of " + std::to_string(n) + " elements");
+  return static_cast<const T*>(b.data());
+}
+
+template <class T>
+void run_mha(const py::array& xq, const py::array& xk, const py::array& xv, const py::tuple& w,
+             const std::vector<int64_t>& dims, const py::list& masks, int64_t causal, int64_t causal_offset,
+             py::array& out, const py::object& weights_obj, int num_threads) {
+  MhaArgs<T> m;
+  m.batch = dims[0];
+  m.q_len = dims[1];
+  m.kv_len = dims[2];
+  m.embed_dim = dims[3];
+  m.kdim = dims[4];
+  m.vdim = dims[5];
+  m.num_heads = dims[6];
+  m.num_kv_heads = dims[7];
+  m.head_dim = dims[8];
+  for (int64_t d : dims)
+    if (d < 0) fail("dims must be non-negative");
+  if (m.num_heads < 1 || m.num_kv_heads < 1 || m.num_heads % m.num_kv_heads != 0)
+    fail("num_heads must be a positive multiple of num_kv_heads");
+  if (m.num_heads * m.head_dim != m.embed_dim) fail("num_heads * head_dim must equal embed_dim");
+  const int64_t q_rows = checked_mul(m.batch, m.q_len), kv_rows = checked_mul(m.batch, m.kv_len);
+  m.xq_stride = row_matrix<T>("query", xq, q_rows, m.embed_dim);
+  m.xk_stride = row_matrix<T>("key", xk, kv_rows, m.kdim);
+  m.xv_stride = row_matrix<T>("value", xv, kv_rows, m.vdim);
+  m.xq = static_cast<const T*>(xq.data());
+  m.xk = static_cast<const T*>(xk.data());
+  m.xv = static_cast<const T*>(xv.data());
+  if (w.size() != 8) fail("weights must be a tuple of 8 entries");
+  const int64_t kv_width = checked_mul(m.num_kv_heads, m.head_dim);
+  m.packed_q = packed_weight<T>("q_proj_weight", w[0].cast<py::array>(), m.embed_dim, m.embed_dim);
+  m.packed_k = packed_weight<T>("k_proj_weight", w[1].cast<py::array>(), kv_width, m.kdim);
+  m.packed_v = packed_weight<T>("v_proj_weight", w[2].cast<py::array>(), kv_width, m.vdim);
+  m.packed_o = packed_weight<T>("out_proj_weight", w[3].cast<py::array>(), m.embed_dim, m.embed_dim);
+  m.bias_q = optional_bias<T>("q_proj_bias", w[4], m.embed_dim);
+  m.bias_k = optional_bias<T>("k_proj_bias", w[5], kv_width);
+  m.bias_v = optional_bias<T>("v_proj_bias", w[6], kv_width);
+  m.bias_o = optional_bias<T>("out_proj_bias", w[7], m.embed_dim);
+
+  const int64_t batch_heads = checked_mul(m.batch, m.num_heads);
+  if (masks.size() > 2) fail("at most two masks");
+  std::vector<py::array_t<int64_t>> keep;  // offsets arrays stay referenced by `masks`
+  for (size_t x = 0; x < masks.size(); ++x) {
+    const py::tuple t = masks[x].cast<py::tuple>();
+    if (t.size() != 6) fail("mask entries are (name, array, offsets, stride_l, stride_s, true_forbids)");
+    const std::string name = t[0].cast<std::string>();
+    const py::array_t<int64_t> offsets = t[2].cast<py::array_t<int64_t>>();
+    if (offsets.ndim() != 1 || offsets.shape(0) != batch_heads || !(offsets.flags() & py::array::c_style))
+      fail(name + ": offsets must be a contiguous int64 array of batch * num_heads entries");
+    keep.push_back(offsets);
+    m.masks[x] = mask_slot<T>(name.c_str(), t[1], py::dtype::of<T>(), keep.back().data(), t[3].cast<int64_t>(),
+                              t[4].cast<int64_t>(), t[5].cast<bool>(), batch_heads, m.q_len, m.kv_len);
+  }
+  m.causal = causal != 0;
+  m.causal_offset = causal_offset;
+  check_output("out", out, py::dtype::of<T>(), checked_mul(q_rows, m.embed_dim));
+  m.out = static_cast<T*>(out.mutable_data());
+  if (!weights_obj.is_none()) {
+    py::array weights = py::reinterpret_borrow<py::array>(weights_obj);
+    check_output("weights", weights, py::dtype::of<T>(), checked_mul(checked_mul(batch_heads, m.q_len), m.kv_len));
+    m.weights = static_cast<T*>(weights.mutable_data());
+  }
+  if (num_threads < 0) fail("num_threads must be >= 1 (or 0 for the default)");
+  py::gil_scoped_release release;
+  multi_head_attention<T>(m, num_threads);
+}
+
+void mha_py(const py::array& xq, const py::array& xk, const py::array& xv, const py::tuple& w,
+            const std::vector<int64_t>& dims, const py::list& masks, int64_t causal, int64_t causal_offset,
+            py::array out, const py::object& weights, int num_threads) {
+  if (dims.size() != 9) fail("dims must have 9 entries");
+  if (is_float32(xq)) return run_mha<float>(xq, xk, xv, w, dims, masks, causal, causal_offset, out, weights, num_threads);
+  if (is_float64(xq)) return run_mha<double>(xq, xk, xv, w, dims, masks, causal, causal_offset, out, weights, num_threads);
+  fail("query: dtype must be float32 or float64");
+}
+
 std::vector<std::string> isa_list() {
   const char* names[8];
   const int n = available_isas(names, 8);
@@ -315,6 +417,9 @@ PYBIND11_MODULE(_core, m) {
         "Pack a (out_features, in_features) weight for the active ISA's GEMM; returns (packed, panel).");
   m.def("linear", &linear_py, py::arg("x"), py::arg("packed"), py::arg("panel"), py::arg("n"), py::arg("bias"),
         py::arg("out"), py::arg("num_threads"), "out = x @ W.T + bias with W packed by pack_weights.");
+  m.def("mha", &mha_py, py::arg("xq"), py::arg("xk"), py::arg("xv"), py::arg("weights"), py::arg("dims"),
+        py::arg("masks"), py::arg("causal"), py::arg("causal_offset"), py::arg("out"), py::arg("attn_weights"),
+        py::arg("num_threads"), "Low-level multi-head attention entry; arguments prepared by pyattn._mha.");
   m.def("isa", []() { return std::string(active_isa()); }, "Name of the kernel ISA in use.");
   m.def("available_isas", &isa_list, "ISAs compiled into this build and supported by this CPU, worst to best.");
   m.def(

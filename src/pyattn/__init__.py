@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from . import _core
 from ._api import scaled_dot_product_attention
+from ._mha import MultiHeadAttention, mha
 
 try:
     from importlib.metadata import PackageNotFoundError, version as _dist_version
@@ -19,6 +20,8 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree wi
 
 __all__ = [
     "scaled_dot_product_attention",
+    "mha",
+    "MultiHeadAttention",
     "set_num_threads",
     "get_num_threads",
     "available_isas",

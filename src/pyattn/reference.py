@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: MIT
-"""Naive float64 NumPy reference for :func:`pyattn.scaled_dot_product_attention`.
+"""Naive float64 NumPy references for :func:`pyattn.scaled_dot_product_attention` and :func:`pyattn.mha`.
 
 Obvious code that materialises the full (..., Hq, L, S) score matrix; tests hold the fast path
-against it. It shares no code with ``pyattn._api``.
+against it. It shares no code with ``pyattn._api`` or ``pyattn._mha``; :func:`mha` is projections,
+head split and merge around this module's own :func:`scaled_dot_product_attention`.
 
 Masked-row policy (the same as the fast path): a key is *forbidden* for a query when the boolean
 mask is False, the float mask is -inf, or the causal rule excludes it. Forbidden keys are removed
@@ -15,7 +16,7 @@ import math
 
 import numpy as np
 
-__all__ = ["scaled_dot_product_attention"]
+__all__ = ["mha", "scaled_dot_product_attention"]
 
 
 def _allowed_keys(mask, is_causal, q_len, kv_len):
@@ -107,3 +108,174 @@ def scaled_dot_product_attention(
     if return_weights:
         return out, weights
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Multi-head attention
+
+
+def _as_float64(array, name, shape=None):
+    """`array` as float64, checking its shape when `shape` is given (None entries match anything)."""
+    a = np.asarray(array, dtype=np.float64)
+    if shape is not None and (a.ndim != len(shape) or any(s is not None and s != n for s, n in zip(shape, a.shape))):
+        expected = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+        raise ValueError(f"{name}: expected shape {expected}, got {a.shape}")
+    return a
+
+
+def _project(x, weight, bias):
+    """x @ weight.T + bias (bias may be None)."""
+    y = x @ weight.T
+    return y if bias is None else y + bias
+
+
+def _additive_mask(mask, name, bool_value):
+    """A float64 array to add to the scores: bool masks give `bool_value` where True and 0 elsewhere."""
+    mask = np.asarray(mask)
+    if mask.dtype == np.bool_:
+        return np.where(mask, bool_value, 0.0)
+    if mask.dtype.kind == "f":
+        return mask.astype(np.float64)
+    raise TypeError(f"{name}: must be bool or floating, got {mask.dtype}")
+
+
+def mha(
+    query,
+    key=None,
+    value=None,
+    *,
+    num_heads,
+    in_proj_weight=None,
+    in_proj_bias=None,
+    q_proj_weight=None,
+    k_proj_weight=None,
+    v_proj_weight=None,
+    q_proj_bias=None,
+    k_proj_bias=None,
+    v_proj_bias=None,
+    out_proj_weight,
+    out_proj_bias=None,
+    attn_mask=None,
+    key_padding_mask=None,
+    is_causal=False,
+    need_weights=False,
+    average_attn_weights=True,
+    num_kv_heads=None,
+    num_threads=None,
+):
+    """Multi-head attention layer (torch.nn.MultiheadAttention, batch_first=True, eval), in float64.
+
+    Same arguments as :func:`pyattn.mha`; ``num_threads`` is accepted and ignored. The steps are
+    the textbook ones:
+
+    1. project: q = query @ Wq.T + bq (E outputs), k = key @ Wk.T + bk, v = value @ Wv.T + bv
+       (num_kv_heads * head_dim outputs each). ``in_proj_weight`` holds [Wq; Wk; Wv] stacked by
+       rows; ``in_proj_bias`` [bq; bk; bv], also when the weights are given separately.
+    2. split heads: (B, L, E) -> (B, num_heads, L, head_dim), K/V into num_kv_heads heads.
+    3. attention per head with scale 1/sqrt(head_dim), query head h reading kv head
+       h // (num_heads // num_kv_heads), via :func:`scaled_dot_product_attention` above. Masks
+       follow PyTorch's MultiheadAttention: a bool ``attn_mask`` (L, S) or (B*num_heads, L, S) is
+       True where attending is NOT allowed; a bool ``key_padding_mask`` (B, S) is True at padding
+       keys; float masks are added to the scaled scores (-inf forbids). ``is_causal`` applies on
+       top (False, True/"upper_left", "lower_right"). A query row with no allowed key gets a zero
+       context vector (and zero weights), so its output is ``out_proj_bias`` (or 0).
+    4. merge heads: (B, num_heads, L, head_dim) -> (B, L, E); out = context @ Wo.T + bo.
+
+    Unbatched inputs (L, E) with masks (L, S) / (num_heads, L, S) and (S,) are run as batch 1.
+    Returns ``out`` (B, L, E), or ``(out, weights)`` when ``need_weights``: weights (B, L, S)
+    averaged over heads when ``average_attn_weights``, else (B, num_heads, L, S). All float64.
+    """
+    del num_threads  # the reference is single-threaded NumPy
+    query = np.asarray(query)
+    if query.ndim not in (2, 3):
+        raise ValueError(f"query: expected (B, L, E) or unbatched (L, E), got shape {query.shape}")
+    unbatched = query.ndim == 2
+    key = query if key is None else np.asarray(key)
+    value = key if value is None else np.asarray(value)
+    for name, x in (("key", key), ("value", value)):
+        if x.ndim != query.ndim:
+            raise ValueError(f"{name}: expected {query.ndim} dimensions like query, got shape {x.shape}")
+    if unbatched:
+        query, key, value = query[None], key[None], value[None]
+    q_in = _as_float64(query, "query")
+    k_in = _as_float64(key, "key")
+    v_in = _as_float64(value, "value")
+    batch, q_len, embed_dim = q_in.shape
+    kv_len, kdim, vdim = k_in.shape[1], k_in.shape[2], v_in.shape[2]
+    if k_in.shape[:2] != (batch, kv_len) or v_in.shape[:2] != (batch, kv_len):
+        raise ValueError(f"key and value: batch and length must agree with query, got {key.shape} and {value.shape}")
+
+    if num_heads < 1 or embed_dim % num_heads != 0:
+        raise ValueError(f"num_heads: must divide embed_dim {embed_dim}, got {num_heads}")
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_kv_heads: must divide num_heads {num_heads}, got {num_kv_heads}")
+    head_dim = embed_dim // num_heads
+    kv_dim = num_kv_heads * head_dim
+
+    # 1. Projections.
+    if in_proj_weight is not None:
+        if kdim != embed_dim or vdim != embed_dim:
+            raise ValueError("in_proj_weight: only valid when key and value have embed_dim features")
+        w = _as_float64(in_proj_weight, "in_proj_weight", (embed_dim + 2 * kv_dim, embed_dim))
+        wq, wk, wv = w[:embed_dim], w[embed_dim : embed_dim + kv_dim], w[embed_dim + kv_dim :]
+    else:
+        for name, w in (("q_proj_weight", q_proj_weight), ("k_proj_weight", k_proj_weight), ("v_proj_weight", v_proj_weight)):
+            if w is None:
+                raise ValueError(f"{name}: required when in_proj_weight is not given")
+        wq = _as_float64(q_proj_weight, "q_proj_weight", (embed_dim, embed_dim))
+        wk = _as_float64(k_proj_weight, "k_proj_weight", (kv_dim, kdim))
+        wv = _as_float64(v_proj_weight, "v_proj_weight", (kv_dim, vdim))
+    bq, bk, bv = q_proj_bias, k_proj_bias, v_proj_bias
+    if in_proj_bias is not None:
+        b = _as_float64(in_proj_bias, "in_proj_bias", (embed_dim + 2 * kv_dim,))
+        bq, bk, bv = b[:embed_dim], b[embed_dim : embed_dim + kv_dim], b[embed_dim + kv_dim :]
+    bq = None if bq is None else _as_float64(bq, "q_proj_bias", (embed_dim,))
+    bk = None if bk is None else _as_float64(bk, "k_proj_bias", (kv_dim,))
+    bv = None if bv is None else _as_float64(bv, "v_proj_bias", (kv_dim,))
+    wo = _as_float64(out_proj_weight, "out_proj_weight", (embed_dim, embed_dim))
+    bo = None if out_proj_bias is None else _as_float64(out_proj_bias, "out_proj_bias", (embed_dim,))
+
+    q = _project(q_in, wq, bq)
+    k = _project(k_in, wk, bk)
+    v = _project(v_in, wv, bv)
+
+    # 2. Split heads: (B, len, heads * head_dim) -> (B, heads, len, head_dim).
+    q = q.reshape(batch, q_len, num_heads, head_dim).transpose(0, 2, 1, 3)
+    k = k.reshape(batch, kv_len, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
+    v = v.reshape(batch, kv_len, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
+
+    # 3. One additive (B, num_heads, L, S) mask from both PyTorch-convention masks.
+    mask = None
+    if attn_mask is not None:
+        if unbatched:
+            shapes = [(q_len, kv_len), (num_heads, q_len, kv_len)]
+        else:
+            shapes = [(q_len, kv_len), (batch * num_heads, q_len, kv_len)]
+        if np.shape(attn_mask) not in shapes:
+            raise ValueError(f"attn_mask: expected shape {' or '.join(map(str, shapes))}, got {np.shape(attn_mask)}")
+        mask = _additive_mask(attn_mask, "attn_mask", -np.inf)
+        if mask.ndim == 3:
+            mask = mask.reshape(batch, num_heads, q_len, kv_len)
+    if key_padding_mask is not None:
+        expected = (kv_len,) if unbatched else (batch, kv_len)
+        if np.shape(key_padding_mask) != expected:
+            raise ValueError(f"key_padding_mask: expected shape {expected}, got {np.shape(key_padding_mask)}")
+        padding = _additive_mask(key_padding_mask, "key_padding_mask", -np.inf).reshape(batch, 1, 1, kv_len)
+        mask = padding if mask is None else mask + padding
+
+    attn = scaled_dot_product_attention(
+        q, k, v, mask, is_causal=is_causal, enable_gqa=True, return_weights=need_weights
+    )
+    context, weights = attn if need_weights else (attn, None)
+
+    # 4. Merge heads and project out.
+    context = context.transpose(0, 2, 1, 3).reshape(batch, q_len, embed_dim)
+    out = _project(context, wo, bo)
+
+    if need_weights and average_attn_weights:
+        weights = weights.mean(axis=1)
+    if unbatched:
+        out = out[0]
+        weights = None if weights is None else weights[0]
+    return (out, weights) if need_weights else out

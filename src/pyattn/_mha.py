@@ -1,0 +1,401 @@
+# SPDX-License-Identifier: MIT
+"""Multi-head attention layer: pyattn.mha and pyattn.MultiHeadAttention.
+
+Weights use torch.nn.MultiheadAttention's layouts and names. Everything numeric happens in one call
+into the core (projections as packed GEMMs, attention, output projection; see src/cpp/mha.cpp);
+this module validates arguments, packs weights for the active ISA's GEMM, and turns masks into
+(offset, stride) descriptions without copying them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _core
+from ._api import _SUPPORTED, _allocate, _causal_value, _kernel_layout, _threads_value
+
+
+def _array(x, name, dtype=None):
+    if x is None:
+        return None
+    if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor
+        x = x.detach().cpu().numpy()
+    x = np.asarray(x)
+    if x.dtype not in _SUPPORTED:
+        raise TypeError(f"{name}: dtype must be float32 or float64, got {x.dtype}")
+    if dtype is not None and x.dtype != dtype:
+        raise TypeError(f"{name}: dtype must be {dtype} (the other inputs' dtype), got {x.dtype}")
+    return x
+
+
+def _expect_shape(x, shape, name):
+    if x is not None and x.shape != shape:
+        raise ValueError(f"{name}: expected shape {shape}, got {x.shape}")
+
+
+class _Weights:
+    """Validated layer weights: q/k/v/out projections (out_features, in_features) and biases."""
+
+    def __init__(self, embed_dim, num_heads, num_kv_heads, kdim, vdim, q, k, v, o, bq, bk, bv, bo):
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.kdim, self.vdim = kdim, vdim
+        self.head_dim = embed_dim // num_heads
+        self.q, self.k, self.v, self.o = q, k, v, o
+        self.bq, self.bk, self.bv, self.bo = bq, bk, bv, bo
+        self.dtype = q.dtype
+        self._packed = {}
+
+    def packed(self):
+        """Weights packed for the active ISA's GEMM (cached per ISA)."""
+        isa = _core.isa()
+        if isa not in self._packed:
+            self._packed[isa] = tuple(_core.pack_weights(np.ascontiguousarray(w))[0] for w in (self.q, self.k, self.v, self.o))
+        return self._packed[isa]
+
+
+def _resolve_weights(embed_dim, kdim, vdim, num_heads, num_kv_heads, dtype, in_proj_weight, in_proj_bias,
+                     q_proj_weight, k_proj_weight, v_proj_weight, q_proj_bias, k_proj_bias, v_proj_bias,
+                     out_proj_weight, out_proj_bias):
+    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
+        raise ValueError(f"num_heads: expected a positive int, got {num_heads!r}")
+    if embed_dim % num_heads != 0:
+        raise ValueError(f"num_heads: must divide embed_dim ({embed_dim}), got {num_heads}")
+    if num_kv_heads is None:
+        num_kv_heads = num_heads
+    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, (int, np.integer)) or num_kv_heads < 1:
+        raise ValueError(f"num_kv_heads: expected a positive int, got {num_kv_heads!r}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_kv_heads: must divide num_heads ({num_heads}), got {num_kv_heads}")
+    head_dim = embed_dim // num_heads
+    kv_width = num_kv_heads * head_dim
+
+    names = ("in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight", "v_proj_weight",
+             "q_proj_bias", "k_proj_bias", "v_proj_bias", "out_proj_weight", "out_proj_bias")
+    values = (in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight, v_proj_weight,
+              q_proj_bias, k_proj_bias, v_proj_bias, out_proj_weight, out_proj_bias)
+    arrays = {n: _array(x, n, dtype) for n, x in zip(names, values)}
+    if arrays["out_proj_weight"] is None:
+        raise ValueError("out_proj_weight: required")
+    if arrays["in_proj_weight"] is not None:
+        if any(arrays[n] is not None for n in ("q_proj_weight", "k_proj_weight", "v_proj_weight")):
+            raise ValueError("in_proj_weight: pass either in_proj_weight or q/k/v_proj_weight, not both")
+        if kdim != embed_dim or vdim != embed_dim:
+            raise ValueError(
+                f"in_proj_weight: needs key and value feature sizes equal to embed_dim ({embed_dim}); "
+                f"got kdim={kdim}, vdim={vdim}: pass q/k/v_proj_weight instead"
+            )
+        w = arrays["in_proj_weight"]
+        _expect_shape(w, (embed_dim + 2 * kv_width, embed_dim), "in_proj_weight")
+        q, k, v = w[:embed_dim], w[embed_dim:embed_dim + kv_width], w[embed_dim + kv_width:]
+    else:
+        q, k, v = arrays["q_proj_weight"], arrays["k_proj_weight"], arrays["v_proj_weight"]
+        for n, x in (("q_proj_weight", q), ("k_proj_weight", k), ("v_proj_weight", v)):
+            if x is None:
+                raise ValueError(f"{n}: required (or pass in_proj_weight)")
+        _expect_shape(q, (embed_dim, embed_dim), "q_proj_weight")
+        _expect_shape(k, (kv_width, kdim), "k_proj_weight")
+        _expect_shape(v, (kv_width, vdim), "v_proj_weight")
+    bq, bk, bv = arrays["q_proj_bias"], arrays["k_proj_bias"], arrays["v_proj_bias"]
+    if arrays["in_proj_bias"] is not None:
+        if any(b is not None for b in (bq, bk, bv)):
+            raise ValueError("in_proj_bias: pass either in_proj_bias or q/k/v_proj_bias, not both")
+        b = arrays["in_proj_bias"]
+        _expect_shape(b, (embed_dim + 2 * kv_width,), "in_proj_bias")
+        bq, bk, bv = b[:embed_dim], b[embed_dim:embed_dim + kv_width], b[embed_dim + kv_width:]
+    _expect_shape(bq, (embed_dim,), "q_proj_bias")
+    _expect_shape(bk, (kv_width,), "k_proj_bias")
+    _expect_shape(bv, (kv_width,), "v_proj_bias")
+    o = arrays["out_proj_weight"]
+    _expect_shape(o, (embed_dim, embed_dim), "out_proj_weight")
+    _expect_shape(arrays["out_proj_bias"], (embed_dim,), "out_proj_bias")
+    contiguous = (lambda x: None if x is None else np.ascontiguousarray(x))
+    return _Weights(embed_dim, num_heads, num_kv_heads, kdim, vdim, q, k, v, o,
+                    contiguous(bq), contiguous(bk), contiguous(bv), contiguous(arrays["out_proj_bias"]))
+
+
+def _mask_entry(mask, name, dtype, batch, num_heads, q_len, kv_len, key_padding):
+    """(name, array, offsets per (b, h), stride_l, stride_s, true_forbids) for the core, or None."""
+    if mask is None:
+        return None
+    m = mask.detach().cpu().numpy() if hasattr(mask, "detach") else np.asarray(mask)
+    if m.dtype != np.bool_ and m.dtype != dtype:
+        raise TypeError(f"{name}: dtype must be bool or the inputs' dtype ({dtype}), got {m.dtype}")
+    m = _kernel_layout(m, contiguous_last=False) if m.ndim else m
+    item = m.itemsize
+    bh = np.arange(batch * num_heads, dtype=np.int64)
+    if key_padding:
+        if m.shape != (batch, kv_len):
+            raise ValueError(f"{name}: expected shape {(batch, kv_len)}, got {m.shape}")
+        offsets = (bh // num_heads) * (m.strides[0] // item)
+        stride_l, stride_s = 0, m.strides[1] // item
+    else:
+        if m.shape == (q_len, kv_len):
+            offsets = np.zeros_like(bh)
+            stride_l, stride_s = m.strides[0] // item, m.strides[1] // item
+        elif m.shape == (batch * num_heads, q_len, kv_len):
+            offsets = bh * (m.strides[0] // item)
+            stride_l, stride_s = m.strides[1] // item, m.strides[2] // item
+        else:
+            raise ValueError(
+                f"{name}: expected shape {(q_len, kv_len)} or {(batch * num_heads, q_len, kv_len)}, got {m.shape}"
+            )
+    return (name, m, np.ascontiguousarray(offsets, dtype=np.int64), int(stride_l), int(stride_s), m.dtype == np.bool_)
+
+
+def _rows(x, batched):
+    """(batch * len, features) view of a (batch, len, features) input, copied only if it must be."""
+    x3 = _kernel_layout(x) if batched else _kernel_layout(x)[np.newaxis]
+    return x3.reshape(x3.shape[0] * x3.shape[1], x3.shape[2])  # a view when the rows are evenly strided
+
+
+def _key_value(q, key, value):
+    """key and value arrays: both default to query (self-attention); value is required with key."""
+    if key is None and value is None:
+        return q, q
+    if key is None or value is None:
+        raise ValueError("key, value: pass both (cross-attention) or neither (self-attention)")
+    return _array(key, "key", q.dtype), _array(value, "value", q.dtype)
+
+
+def _forward(w, query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, average_attn_weights,
+             num_threads):
+    q = _array(query, "query")
+    if q.dtype != w.dtype:
+        raise TypeError(f"query: dtype must be {w.dtype} (the weights' dtype), got {q.dtype}")
+    k, v = _key_value(q, key, value)
+    if q.ndim not in (2, 3):
+        raise ValueError(f"query: expected (batch, q_len, embed_dim) or (q_len, embed_dim), got shape {q.shape}")
+    batched = q.ndim == 3
+    for name, x in (("key", k), ("value", v)):
+        if x.ndim != q.ndim:
+            raise ValueError(f"{name}: expected {q.ndim} dimensions like query, got shape {x.shape}")
+    batch = q.shape[0] if batched else 1
+    q_len, kv_len = q.shape[-2], k.shape[-2]
+    if q.shape[-1] != w.embed_dim:
+        raise ValueError(f"query: last dimension must be embed_dim ({w.embed_dim}), got shape {q.shape}")
+    if k.shape[-1] != w.kdim:
+        raise ValueError(f"key: last dimension must be kdim ({w.kdim}), got shape {k.shape}")
+    if v.shape[-1] != w.vdim:
+        raise ValueError(f"value: last dimension must be vdim ({w.vdim}), got shape {v.shape}")
+    if v.shape[-2] != kv_len:
+        raise ValueError(f"value: length must equal key's ({kv_len}), got shape {v.shape}")
+    if batched and (k.shape[0] != batch or v.shape[0] != batch):
+        raise ValueError(f"key/value: batch size must equal query's ({batch}), got {k.shape[0]} and {v.shape[0]}")
+    causal = _causal_value(is_causal)
+    threads = _threads_value(num_threads)
+
+    masks = []
+    if attn_mask is not None:
+        am = attn_mask.detach().cpu().numpy() if hasattr(attn_mask, "detach") else np.asarray(attn_mask)
+        masks.append(_mask_entry(am, "attn_mask", w.dtype, batch, w.num_heads, q_len, kv_len, False))
+    if key_padding_mask is not None:
+        kp = key_padding_mask.detach().cpu().numpy() if hasattr(key_padding_mask, "detach") else np.asarray(key_padding_mask)
+        if not batched:
+            if kp.shape != (kv_len,):
+                raise ValueError(f"key_padding_mask: expected shape {(kv_len,)} for unbatched input, got {kp.shape}")
+            kp = kp[np.newaxis]
+        masks.append(_mask_entry(kp, "key_padding_mask", w.dtype, batch, w.num_heads, q_len, kv_len, True))
+
+    out = _allocate((batch, q_len, w.embed_dim) if batched else (q_len, w.embed_dim), w.dtype, "out")
+    weights = _allocate((batch, w.num_heads, q_len, kv_len), w.dtype, "need_weights") if need_weights else None
+    packed = w.packed()
+    _core.mha(
+        _rows(q, batched), _rows(k, batched), _rows(v, batched),
+        (*packed, w.bq, w.bk, w.bv, w.bo),
+        [batch, q_len, kv_len, w.embed_dim, w.kdim, w.vdim, w.num_heads, w.num_kv_heads, w.head_dim],
+        masks, causal is not None, (kv_len - q_len) if causal == "lower_right" else 0,
+        out, weights, threads,
+    )
+    if not need_weights:
+        return out
+    if average_attn_weights:
+        weights = weights.mean(axis=1)
+    if not batched:
+        weights = weights[0]
+    return out, weights
+
+
+def mha(query, key=None, value=None, *, num_heads, in_proj_weight=None, in_proj_bias=None, q_proj_weight=None,
+        k_proj_weight=None, v_proj_weight=None, q_proj_bias=None, k_proj_bias=None, v_proj_bias=None,
+        out_proj_weight=None, out_proj_bias=None, attn_mask=None, key_padding_mask=None, is_causal=False,
+        need_weights=False, average_attn_weights=True, num_kv_heads=None, num_threads=None):
+    """Multi-head attention (inference) with torch.nn.MultiheadAttention's weights and conventions.
+
+    Parameters
+    ----------
+    query : ndarray, (batch, q_len, embed_dim) or unbatched (q_len, embed_dim)
+    key, value : ndarray, optional
+        (batch, kv_len, kdim) and (batch, kv_len, vdim); default to query (self-attention).
+    num_heads : int
+        Must divide embed_dim; head_dim = embed_dim // num_heads, scale 1/sqrt(head_dim).
+    in_proj_weight, in_proj_bias : ndarray, optional
+        Stacked q/k/v projection (embed_dim + 2 * num_kv_heads * head_dim, embed_dim) and its bias,
+        when kdim == vdim == embed_dim. Otherwise pass q_proj_weight (embed_dim, embed_dim),
+        k_proj_weight (num_kv_heads * head_dim, kdim), v_proj_weight (num_kv_heads * head_dim, vdim)
+        and optionally q/k/v_proj_bias (or one in_proj_bias).
+    out_proj_weight, out_proj_bias : ndarray
+        (embed_dim, embed_dim) and (embed_dim,); the bias is optional.
+    attn_mask : ndarray, optional
+        (q_len, kv_len) or (batch * num_heads, q_len, kv_len). Bool: True = NOT allowed (PyTorch's
+        nn.MultiheadAttention convention, the opposite of scaled_dot_product_attention). Float: added.
+    key_padding_mask : ndarray, optional
+        (batch, kv_len) (unbatched: (kv_len,)). Bool: True = padding, ignored. Float: added.
+    is_causal : {False, True, "upper_left", "lower_right"}
+        As in scaled_dot_product_attention; combines with the masks.
+    need_weights, average_attn_weights : bool
+        Return (out, weights) with weights (batch, q_len, kv_len) averaged over heads, or
+        (batch, num_heads, q_len, kv_len) per head.
+    num_kv_heads : int, optional
+        Key/value heads for grouped-query (1 = multi-query) attention; must divide num_heads.
+    num_threads : int, optional
+
+    Returns
+    -------
+    out, or (out, weights) when need_weights.
+    """
+    q = _array(query, "query")
+    k, v = _key_value(q, key, value)
+    if q.ndim < 1:
+        raise ValueError(f"query: expected (batch, q_len, embed_dim) or (q_len, embed_dim), got shape {q.shape}")
+    w = _resolve_weights(q.shape[-1], k.shape[-1], v.shape[-1], num_heads, num_kv_heads, q.dtype, in_proj_weight,
+                         in_proj_bias, q_proj_weight, k_proj_weight, v_proj_weight, q_proj_bias, k_proj_bias,
+                         v_proj_bias, out_proj_weight, out_proj_bias)
+    return _forward(w, q, k, v, attn_mask, key_padding_mask, is_causal, need_weights, average_attn_weights,
+                    num_threads)
+
+
+class MultiHeadAttention:
+    """A multi-head attention layer holding its weights, packed for the GEMM once.
+
+    Weight attributes use torch.nn.MultiheadAttention's names: ``in_proj_weight``/``in_proj_bias``
+    (when kdim == vdim == embed_dim) or ``q_proj_weight``/``k_proj_weight``/``v_proj_weight``
+    (+ ``in_proj_bias``), ``out_proj_weight``, ``out_proj_bias``. Change weights through
+    ``load_state_dict`` (which repacks them), not by writing into the arrays.
+    """
+
+    def __init__(self, embed_dim, num_heads, *, kdim=None, vdim=None, bias=True, num_kv_heads=None,
+                 dtype=np.float32, seed=None):
+        dtype = np.dtype(dtype)
+        if dtype not in _SUPPORTED:
+            raise TypeError(f"dtype: must be float32 or float64, got {dtype}")
+        if isinstance(embed_dim, bool) or not isinstance(embed_dim, (int, np.integer)) or embed_dim < 1:
+            raise ValueError(f"embed_dim: expected a positive int, got {embed_dim!r}")
+        self.embed_dim = int(embed_dim)
+        self.kdim = int(kdim) if kdim is not None else self.embed_dim
+        self.vdim = int(vdim) if vdim is not None else self.embed_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads if num_kv_heads is not None else num_heads
+        if not isinstance(num_heads, (int, np.integer)) or num_heads < 1 or self.embed_dim % num_heads:
+            raise ValueError(f"num_heads: must be a positive divisor of embed_dim ({self.embed_dim}), got {num_heads!r}")
+        head_dim = self.embed_dim // num_heads
+        kv_width = self.num_kv_heads * head_dim
+        rng = np.random.default_rng(seed)
+
+        def xavier(rows, cols):  # torch's xavier_uniform_ for the input projections
+            bound = math.sqrt(6.0 / (rows + cols))
+            return rng.uniform(-bound, bound, (rows, cols)).astype(dtype)
+
+        state = {}
+        if self.kdim == self.embed_dim and self.vdim == self.embed_dim:
+            state["in_proj_weight"] = xavier(self.embed_dim + 2 * kv_width, self.embed_dim)
+        else:
+            state["q_proj_weight"] = xavier(self.embed_dim, self.embed_dim)
+            state["k_proj_weight"] = xavier(kv_width, self.kdim)
+            state["v_proj_weight"] = xavier(kv_width, self.vdim)
+        bound = 1.0 / math.sqrt(self.embed_dim)  # torch's default Linear init for out_proj
+        state["out_proj.weight"] = rng.uniform(-bound, bound, (self.embed_dim, self.embed_dim)).astype(dtype)
+        if bias:
+            state["in_proj_bias"] = np.zeros(self.embed_dim + 2 * kv_width, dtype)
+            state["out_proj.bias"] = np.zeros(self.embed_dim, dtype)
+        self.dtype = dtype
+        self.load_state_dict(state)
+
+    # -- weights ------------------------------------------------------------------------------
+    def load_state_dict(self, state_dict):
+        """Load weights given with torch.nn.MultiheadAttention's state_dict keys (arrays or tensors)."""
+        known = {"in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight", "v_proj_weight",
+                 "out_proj.weight", "out_proj.bias"}
+        unknown = set(state_dict) - known
+        if unknown:
+            raise ValueError(f"state_dict: unsupported keys {sorted(unknown)} (bias_k/bias_v/add_zero_attn are not supported)")
+        get = state_dict.get
+        w = _resolve_weights(self.embed_dim, self.kdim, self.vdim, self.num_heads, self.num_kv_heads, self.dtype,
+                             get("in_proj_weight"), get("in_proj_bias"), get("q_proj_weight"), get("k_proj_weight"),
+                             get("v_proj_weight"), None, None, None, get("out_proj.weight"), get("out_proj.bias"))
+        self._weights = w
+        self._has_in_proj = get("in_proj_weight") is not None
+        self._has_bias = get("in_proj_bias") is not None or get("out_proj.bias") is not None
+        w.packed()  # pre-pack for the active ISA now, not on the first call
+
+    def state_dict(self):
+        """Weights as a dict with torch.nn.MultiheadAttention's keys (copies)."""
+        w = self._weights
+        d = {}
+        if self._has_in_proj:
+            d["in_proj_weight"] = np.concatenate([w.q, w.k, w.v])
+        else:
+            d["q_proj_weight"], d["k_proj_weight"], d["v_proj_weight"] = w.q.copy(), w.k.copy(), w.v.copy()
+        if w.bq is not None or w.bk is not None or w.bv is not None:
+            parts = [b if b is not None else np.zeros(n, self.dtype)
+                     for b, n in ((w.bq, w.q.shape[0]), (w.bk, w.k.shape[0]), (w.bv, w.v.shape[0]))]
+            d["in_proj_bias"] = np.concatenate(parts)
+        d["out_proj.weight"] = w.o.copy()
+        if w.bo is not None:
+            d["out_proj.bias"] = w.bo.copy()
+        return d
+
+    in_proj_weight = property(lambda self: self.state_dict().get("in_proj_weight"))
+    in_proj_bias = property(lambda self: self.state_dict().get("in_proj_bias"))
+    q_proj_weight = property(lambda self: self._weights.q)
+    k_proj_weight = property(lambda self: self._weights.k)
+    v_proj_weight = property(lambda self: self._weights.v)
+    out_proj_weight = property(lambda self: self._weights.o)
+    out_proj_bias = property(lambda self: self._weights.bo)
+
+    @classmethod
+    def from_torch(cls, module):
+        """A layer with the weights (and dtype) of a torch.nn.MultiheadAttention."""
+        if getattr(module, "bias_k", None) is not None or getattr(module, "add_zero_attn", False):
+            raise ValueError("module: bias_k/bias_v and add_zero_attn are not supported")
+        dtype = module.out_proj.weight.dtype
+        np_dtype = {"torch.float32": np.float32, "torch.float64": np.float64}.get(str(dtype))
+        if np_dtype is None:
+            raise TypeError(f"module: parameters must be float32 or float64, got {dtype}")
+        layer = cls.__new__(cls)
+        layer.embed_dim, layer.kdim, layer.vdim = module.embed_dim, module.kdim, module.vdim
+        layer.num_heads = layer.num_kv_heads = module.num_heads
+        layer.dtype = np.dtype(np_dtype)
+        layer.load_state_dict({k: v for k, v in module.state_dict().items()})
+        return layer
+
+    @classmethod
+    def from_linear_weights(cls, q_weight, k_weight, v_weight, o_weight, q_bias=None, k_bias=None, v_bias=None,
+                            o_bias=None, *, num_heads, num_kv_heads=None):
+        """A layer from separate q/k/v/o linear layers (BERT/GPT style), weights (out, in)."""
+        q_weight = _array(q_weight, "q_weight")
+        layer = cls.__new__(cls)
+        layer.embed_dim = q_weight.shape[0]
+        layer.kdim, layer.vdim = np.shape(k_weight)[-1], np.shape(v_weight)[-1]
+        layer.num_heads = num_heads
+        layer.num_kv_heads = num_kv_heads if num_kv_heads is not None else num_heads
+        layer.dtype = q_weight.dtype
+        w = _resolve_weights(layer.embed_dim, layer.kdim, layer.vdim, num_heads, layer.num_kv_heads, layer.dtype,
+                             None, None, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, o_weight, o_bias)
+        layer._weights = w
+        layer._has_in_proj = layer.kdim == layer.embed_dim and layer.vdim == layer.embed_dim
+        layer._has_bias = any(b is not None for b in (q_bias, k_bias, v_bias, o_bias))
+        w.packed()
+        return layer
+
+    # -- forward --------------------------------------------------------------------------------
+    def __call__(self, query, key=None, value=None, *, attn_mask=None, key_padding_mask=None, is_causal=False,
+                 need_weights=False, average_attn_weights=True, num_threads=None):
+        """Same as pyattn.mha with this layer's weights."""
+        return _forward(self._weights, query, key, value, attn_mask, key_padding_mask, is_causal, need_weights,
+                        average_attn_weights, num_threads)
+
+    def __repr__(self):
+        return (f"MultiHeadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+                f"num_kv_heads={self.num_kv_heads}, kdim={self.kdim}, vdim={self.vdim}, dtype={self.dtype})")
