@@ -35,6 +35,13 @@ namespace {
 constexpr int64_t kTaskTarget = 64;
 // A chunk of a split key range is at least this many key blocks, so the merge stays negligible.
 constexpr int64_t kMinChunkBlocks = 4;
+// Queries per head at or below which the decode kernel (lanes along head_dim) beats query tiles
+// (lanes along query rows, mostly padding at this size); query rows per decode work item; and the
+// decode kernel's key block and smallest key chunk worth a work item of its own.
+constexpr int64_t kDecodeMaxLen = 4;
+constexpr int64_t kDecodeMaxRows = 16;
+constexpr int64_t kDecodeBlock = 32;  // = decode.inc's block; only used to round chunk sizes
+constexpr int64_t kDecodeMinChunk = 256;
 constexpr size_t kAlign = 64;  // cache line
 
 int g_default_threads = 0;
@@ -82,44 +89,65 @@ size_t state_elems(int64_t block_rows, int64_t value_dim) {
   return padded(size_t(block_rows * value_dim), sizeof(T)) + 2 * padded(size_t(block_rows), sizeof(T));
 }
 
-// out[i][e] = acc[e][i] / l[i]; a row that saw no allowed key (l == 0) becomes zeros.
-template <class T>
-void finalize(const RowState<T>& s, int64_t block_rows, int64_t rows, int64_t value_dim, T* out,
-              int64_t out_stride) {
+// Where a state keeps row i's accumulator for value column e: acc[i * row + e * col].
+struct AccLayout {
+  int64_t row;
+  int64_t col;
+};
+
+// out_row(i)[e] = acc[i][e] / l[i]; a row that saw no allowed key (l == 0) becomes zeros.
+template <class T, class OutRow>
+void finalize(const RowState<T>& s, AccLayout lay, int64_t rows, int64_t value_dim, OutRow out_row) {
   for (int64_t i = 0; i < rows; ++i) {
     const T l = s.l[i];
     const T inv = l == T(0) ? T(0) : T(1) / l;
-    T* o = out + i * out_stride;
-    for (int64_t e = 0; e < value_dim; ++e) o[e] = s.acc[e * block_rows + i] * inv;
+    T* o = out_row(i);
+    for (int64_t e = 0; e < value_dim; ++e) o[e] = s.acc[i * lay.row + e * lay.col] * inv;
   }
 }
 
-// Merges the partial states of one task's key chunks (in chunk order) into `out`.
-template <class T>
-void merge_partials(T* partials, size_t stride, int64_t nsplit, int64_t block_rows, int64_t rows,
-                    int64_t value_dim, T* out, int64_t out_stride) {
+// Merges the partial states of one task's key chunks (in chunk order, so the result does not depend
+// on which thread computed which chunk) into the output rows.
+template <class T, class StateAt, class OutRow>
+void merge_partials(int64_t nsplit, StateAt state_of, AccLayout lay, int64_t rows, int64_t value_dim,
+                    OutRow out_row) {
   for (int64_t i = 0; i < rows; ++i) {
     T m = -std::numeric_limits<T>::infinity();
     bool nan = false;
     for (int64_t c = 0; c < nsplit; ++c) {
-      const T mc = state_at(partials + c * stride, block_rows, value_dim).m[i];
+      const T mc = state_of(c).m[i];
       nan = nan || std::isnan(mc);
       m = std::max(m, mc);
     }
     if (nan) m = std::numeric_limits<T>::quiet_NaN();
     T l = 0;
-    T* o = out + i * out_stride;
+    T* o = out_row(i);
     for (int64_t e = 0; e < value_dim; ++e) o[e] = T(0);
     for (int64_t c = 0; c < nsplit; ++c) {
-      const RowState<T> s = state_at(partials + c * stride, block_rows, value_dim);
+      const RowState<T> s = state_of(c);
       if (s.m[i] == -std::numeric_limits<T>::infinity()) continue;  // chunk saw nothing allowed
       const T w = std::exp2(s.m[i] - m);
       l += w * s.l[i];
-      for (int64_t e = 0; e < value_dim; ++e) o[e] += w * s.acc[e * block_rows + i];
+      for (int64_t e = 0; e < value_dim; ++e) o[e] += w * s.acc[i * lay.row + e * lay.col];
     }
     const T inv = l == T(0) ? T(0) : T(1) / l;
     for (int64_t e = 0; e < value_dim; ++e) o[e] *= inv;
   }
+}
+
+// How many chunks to split each task's key range into: enough work items for kTaskTarget, chunks of
+// at least min_chunk keys, rounded to whole key blocks. Depends on the shape only.
+struct Split {
+  int64_t count;
+  int64_t chunk;
+};
+
+Split split_keys(int64_t tasks, int64_t kv_len, int64_t block, int64_t min_chunk) {
+  if (tasks >= kTaskTarget || kv_len <= 0) return {1, kv_len};
+  const int64_t n = std::min(ceil_div(kTaskTarget, tasks), ceil_div(kv_len, min_chunk));
+  if (n <= 1) return {1, kv_len};
+  const int64_t chunk = ceil_div(ceil_div(kv_len, n), block) * block;
+  return {ceil_div(kv_len, chunk), chunk};
 }
 
 int thread_id() {
@@ -147,27 +175,84 @@ void parallel_for(int64_t count, int threads, F&& body) {
 
 }  // namespace
 
+// Few query rows per head (decode): lanes along head_dim, all query heads of a GQA group together.
+template <class T>
+void attend_decode(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_threads) {
+  const int64_t group = a.group;
+  const int64_t kv_heads = a.num_heads / group;  // key/value heads per batch entry
+  const int64_t kv_groups = a.batch_heads / group;
+  const int64_t rows_total = group * a.q_len;
+  const int64_t row_chunks = ceil_div(rows_total, kDecodeMaxRows);
+  const int64_t chunk_rows = ceil_div(rows_total, row_chunks);
+  const int64_t tasks = kv_groups * row_chunks;
+  const Split split = split_keys(tasks, a.kv_len, kDecodeBlock, kDecodeMinChunk);
+  const int64_t items = tasks * split.count;
+  const int threads = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, items)));
+
+  const int64_t vdim_p = ks.decode_padded(a.value_dim);
+  const AccLayout lay{vdim_p, 1};
+  const size_t sstate = padded(size_t(chunk_rows * vdim_p), sizeof(T)) + 2 * padded(size_t(chunk_rows), sizeof(T));
+  const size_t scratch_elems = padded(size_t(ks.decode_scratch(chunk_rows, a.head_dim, a.value_dim)), sizeof(T));
+  const size_t per_thread = scratch_elems + (split.count > 1 ? 0 : sstate);
+  AlignedBuffer<T> scratch(per_thread * size_t(threads));
+  std::unique_ptr<AlignedBuffer<T>> partials;
+  if (split.count > 1) partials.reset(new AlignedBuffer<T>(sstate * size_t(items)));
+  auto carve = [&](T* base) {
+    const size_t acc = padded(size_t(chunk_rows * vdim_p), sizeof(T)), row = padded(size_t(chunk_rows), sizeof(T));
+    return RowState<T>{base, base + acc, base + acc + row};
+  };
+  auto tile_of = [&](int64_t task) {
+    const int64_t kvg = task / row_chunks, rc = task % row_chunks;
+    const int64_t r0 = rc * chunk_rows;
+    return DecodeTile{kvg / kv_heads, kvg % kv_heads, r0, std::min(chunk_rows, rows_total - r0), 0, a.kv_len};
+  };
+  auto out_row_of = [&](const DecodeTile& t) {
+    return [&a, t, group](int64_t r) {
+      const int64_t bh = t.batch * a.num_heads + t.kv_head * group + (t.r0 + r) / a.q_len;
+      return a.out_rows(bh) + ((t.r0 + r) % a.q_len) * a.out_stride_l;
+    };
+  };
+
+  parallel_for(items, threads, [&](int64_t n) {
+    T* mine = scratch.data() + per_thread * size_t(thread_id());
+    DecodeTile t = tile_of(n / split.count);
+    if (split.count > 1) {
+      const int64_t c = n % split.count;
+      t.j_begin = c * split.chunk;
+      t.j_end = std::min(a.kv_len, t.j_begin + split.chunk);
+      ks.decode(a, t, group, mine, carve(partials->data() + sstate * size_t(n)));
+      return;
+    }
+    const RowState<T> st = carve(mine + scratch_elems);
+    ks.decode(a, t, group, mine, st);
+    finalize(st, lay, t.rows, a.value_dim, out_row_of(t));
+  });
+  if (split.count > 1) {
+    parallel_for(tasks, threads, [&](int64_t task) {
+      const DecodeTile t = tile_of(task);
+      merge_partials<T>(split.count, [&](int64_t c) { return carve(partials->data() + sstate * size_t(task * split.count + c)); },
+                        lay, t.rows, a.value_dim, out_row_of(t));
+    });
+  }
+}
+
 template <class T>
 void scaled_dot_product_attention(const AttnArgs<T>& a, int num_threads) {
   if (a.batch_heads == 0 || a.q_len == 0) return;
   const KernelSet<T>& ks = kernel_set<T>(active_kernels());
-  // Short queries use one vector of rows per tile, so decode does not compute padding rows.
+  const int threads_wanted = num_threads > 0 ? num_threads : default_num_threads();
+  if (!a.weights && (a.q_len <= kDecodeMaxLen || a.kv_storage != Storage::same))
+    return attend_decode(a, ks, threads_wanted);
+
+  // Short queries use one vector of rows per tile, so they do not compute many padding rows.
   const int64_t block_rows = a.q_len <= ks.lanes ? ks.lanes : int64_t(ks.lanes) * ks.row_vecs;
   const int64_t q_blocks = ceil_div(a.q_len, block_rows);
   const int64_t tasks = a.batch_heads * q_blocks;
   const int64_t key_block = ks.key_block(block_rows);
-
-  int64_t nsplit = 1;
-  if (!a.weights && tasks < kTaskTarget && a.kv_len > 0) {
-    const int64_t max_chunks = ceil_div(a.kv_len, kMinChunkBlocks * key_block);
-    nsplit = std::min(ceil_div(kTaskTarget, tasks), max_chunks);
-  }
-  const int64_t chunk = nsplit > 1 ? ceil_div(ceil_div(a.kv_len, nsplit), key_block) * key_block : a.kv_len;
-  if (nsplit > 1) nsplit = ceil_div(a.kv_len, chunk);
-  const int64_t items = tasks * nsplit;
-
-  int threads = num_threads > 0 ? num_threads : default_num_threads();
-  threads = int(std::max<int64_t>(1, std::min<int64_t>(threads, items)));
+  const Split split = a.weights ? Split{1, a.kv_len} : split_keys(tasks, a.kv_len, key_block, kMinChunkBlocks * key_block);
+  const int64_t items = tasks * split.count;
+  const int threads = int(std::max<int64_t>(1, std::min<int64_t>(threads_wanted, items)));
+  const AccLayout lay{1, block_rows};
 
   const size_t qt_elems = padded(size_t(a.head_dim * block_rows), sizeof(T));
   const size_t st_elems = padded(size_t(key_block * block_rows), sizeof(T));
@@ -175,37 +260,44 @@ void scaled_dot_product_attention(const AttnArgs<T>& a, int num_threads) {
   const size_t per_thread = qt_elems + st_elems + sstate;
   AlignedBuffer<T> scratch(per_thread * size_t(threads));
   std::unique_ptr<AlignedBuffer<T>> partials;
-  if (nsplit > 1) partials.reset(new AlignedBuffer<T>(sstate * size_t(items)));
+  if (split.count > 1) partials.reset(new AlignedBuffer<T>(sstate * size_t(items)));
 
   auto tile_of = [&](int64_t task) {
     // Last query blocks first: under a causal mask they have the most keys.
     const int64_t qb = q_blocks - 1 - task / a.batch_heads;
     const int64_t i0 = qb * block_rows;
-    return Tile{task % a.batch_heads, i0, std::min(block_rows, a.q_len - i0), 0, a.kv_len};
+    const int64_t bh = task % a.batch_heads;
+    return Tile{bh, i0, std::min(block_rows, a.q_len - i0), 0, a.kv_len_of(bh)};
+  };
+  auto out_row_of = [&](const Tile& t) {
+    T* base = a.out_rows(t.bh) + t.i0 * a.out_stride_l;
+    const int64_t stride = a.out_stride_l;
+    return [base, stride](int64_t i) { return base + i * stride; };
   };
 
   parallel_for(items, threads, [&](int64_t n) {
     T* mine = scratch.data() + per_thread * size_t(thread_id());
     Scratch<T> s{mine, mine + qt_elems, state_at(mine + qt_elems + st_elems, block_rows, a.value_dim)};
-    Tile t = tile_of(n / nsplit);
-    if (nsplit > 1) {
-      const int64_t c = n % nsplit;
-      t.j_begin = c * chunk;
-      t.j_end = std::min(a.kv_len, t.j_begin + chunk);
+    Tile t = tile_of(n / split.count);
+    if (split.count > 1) {
+      const int64_t c = n % split.count;
+      t.j_begin = std::min(t.j_end, c * split.chunk);
+      t.j_end = std::min(t.j_end, t.j_begin + split.chunk);
       s.state = state_at(partials->data() + sstate * size_t(n), block_rows, a.value_dim);
       ks.attend(a, t, block_rows, s);
       return;
     }
     ks.attend(a, t, block_rows, s);
-    finalize(s.state, block_rows, t.rows, a.value_dim, a.out_rows(t.bh) + t.i0 * a.out_stride_l, a.out_stride_l);
+    finalize(s.state, lay, t.rows, a.value_dim, out_row_of(t));
     if (a.weights) ks.write_weights(a, t, block_rows, s);
   });
 
-  if (nsplit > 1) {
+  if (split.count > 1) {
     parallel_for(tasks, threads, [&](int64_t task) {
       const Tile t = tile_of(task);
-      merge_partials(partials->data() + sstate * size_t(task * nsplit), sstate, nsplit, block_rows, t.rows,
-                     a.value_dim, a.out_rows(t.bh) + t.i0 * a.out_stride_l, a.out_stride_l);
+      T* base = partials->data() + sstate * size_t(task * split.count);
+      merge_partials<T>(split.count, [&](int64_t c) { return state_at(base + sstate * size_t(c), block_rows, a.value_dim); },
+                        lay, t.rows, a.value_dim, out_row_of(t));
     });
   }
 }

@@ -11,6 +11,10 @@ namespace pyattn {
 
 enum class MaskKind : int { none = 0, boolean = 1, additive = 2 };
 
+// How K and V are stored: in the compute type T, or as 16-bit floats (IEEE half or bfloat16) that
+// the decode kernel converts to float32 one block at a time.
+enum class Storage : int { same = 0, f16 = 1, bf16 = 2 };
+
 // One mask operand, addressed as data + offset[bh] + i * stride_l + j * stride_s (elements; strides
 // may be 0 for broadcast axes, or negative). Boolean masks are uint8: nonzero = may attend, or,
 // with true_forbids, nonzero = forbidden (torch.nn.MultiheadAttention's convention). Additive masks
@@ -53,6 +57,7 @@ struct AttnArgs {
 
   int64_t batch_heads = 0;
   int64_t num_heads = 1;  // heads per batch entry (for the output addressing)
+  int64_t group = 1;      // consecutive query heads sharing one key/value head (GQA)
   int64_t q_len = 0;
   int64_t kv_len = 0;
   int64_t head_dim = 0;
@@ -63,7 +68,28 @@ struct AttnArgs {
 
   double scale = 1.0;  // multiplies q.k before the masks are added
 
+  // KV-cache calls: per batch entry b = bh / num_heads, the filled key length and the causal offset
+  // (nullptr: kv_len and causal_offset for everyone), and the storage of K and V (k and v then point
+  // at uint16 data when it is not `same`).
+  const int64_t* kv_lens = nullptr;
+  const int64_t* causal_offsets = nullptr;
+  Storage kv_storage = Storage::same;
+
   T* out_rows(int64_t bh) const { return out + (bh / num_heads) * out_stride_b + (bh % num_heads) * out_stride_h; }
+  int64_t kv_len_of(int64_t bh) const { return kv_lens ? kv_lens[bh / num_heads] : kv_len; }
+  int64_t causal_offset_of(int64_t bh) const { return causal_offsets ? causal_offsets[bh / num_heads] : causal_offset; }
+};
+
+// Decode work item: the query rows of one key/value head (all query heads of its group times the
+// first `rows` of (head, position) pairs from r0), against keys [j_begin, j_end). Row r is query head
+// kv_head * group + (r0 + r) / q_len at position (r0 + r) % q_len.
+struct DecodeTile {
+  int64_t batch;
+  int64_t kv_head;
+  int64_t r0;
+  int64_t rows;
+  int64_t j_begin;
+  int64_t j_end;
 };
 
 // The running state of the online softmax for one block of query rows, laid out with query rows
@@ -120,6 +146,11 @@ struct KernelSet {
   void (*attend)(const AttnArgs<T>& a, const Tile& t, int64_t block_rows, Scratch<T>& s);
   // Writes normalised softmax weights of the tile's rows for all keys, from the final state.
   void (*write_weights)(const AttnArgs<T>& a, const Tile& t, int64_t block_rows, Scratch<T>& s);
+  // Few-query-row attention (decode): lanes along head_dim, K/V blocks converted to T once. State:
+  // acc rows x value_dim_padded (row-major), m and l per row, in `state`; scratch from decode_scratch.
+  void (*decode)(const AttnArgs<T>& a, const DecodeTile& t, int64_t group, T* scratch, RowState<T> state);
+  int64_t (*decode_scratch)(int64_t rows, int64_t head_dim, int64_t value_dim);
+  int64_t (*decode_padded)(int64_t dim);  // value_dim rounded up to whole vectors (acc row length)
   int gemm_rows;    // rows of the GEMM register tile
   int gemm_panel;   // output columns per packed weight panel
   // C rows [row_begin, row_end) x columns of panel p.

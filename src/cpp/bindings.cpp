@@ -138,8 +138,10 @@ void run_sdpa(const py::array& q, const py::array& k, const py::array& v, const 
   a.kv_len = dims[2];
   a.head_dim = dims[3];
   a.value_dim = dims[4];
+  a.group = dims[5];
   for (int64_t d : dims)
     if (d < 0) fail("dims must be non-negative");
+  if (a.group < 1 || a.batch_heads % a.group != 0) fail("group must divide batch_heads");
   a.q_stride_l = strides[0];
   a.k_stride_s = strides[1];
   a.v_stride_s = strides[2];
@@ -191,7 +193,7 @@ void sdpa(const py::array& q, const py::array& k, const py::array& v, const py::
           const std::vector<int64_t>& strides, const std::vector<int64_t>& dims, int64_t causal,
           int64_t causal_offset, double scale, int num_threads) {
   if (strides.size() != 5) fail("strides must have 5 entries");
-  if (dims.size() != 5) fail("dims must have 5 entries");
+  if (dims.size() != 6) fail("dims must have 6 entries");
   if (!q.dtype().is(k.dtype()) || !q.dtype().is(v.dtype())) fail("query, key and value must share one dtype");
   if (is_float32(q))
     run_sdpa<float>(q, k, v, mask, out, weights, offsets, strides, dims, causal, causal_offset, scale, num_threads);

@@ -23,7 +23,7 @@ namespace pyattn {
 namespace {
 
 struct CpuFeatures {
-  bool avx2 = false;     // AVX2 + FMA, with YMM state enabled by the OS
+  bool avx2 = false;     // AVX2 + FMA + F16C, with YMM state enabled by the OS
   bool avx512 = false;   // AVX-512F, with ZMM/opmask state enabled by the OS
 };
 
@@ -57,14 +57,14 @@ CpuFeatures probe() {
   const unsigned max_leaf = r[0];
   if (max_leaf < 7) return f;
   cpuid(1, 0, r);
-  const bool fma = (r[2] >> 12) & 1, osxsave = (r[2] >> 27) & 1, avx = (r[2] >> 28) & 1;
+  const bool fma = (r[2] >> 12) & 1, osxsave = (r[2] >> 27) & 1, avx = (r[2] >> 28) & 1, f16c = (r[2] >> 29) & 1;
   if (!osxsave || !avx) return f;
   const unsigned long long xcr0 = xgetbv0();
   const bool ymm_state = (xcr0 & 0x6) == 0x6;     // SSE + AVX state
   const bool zmm_state = (xcr0 & 0xE6) == 0xE6;   // + opmask, ZMM_Hi256, Hi16_ZMM
   cpuid(7, 0, r);
   const bool avx2 = (r[1] >> 5) & 1, avx512f = (r[1] >> 16) & 1;
-  f.avx2 = avx2 && fma && ymm_state;
+  f.avx2 = avx2 && fma && f16c && ymm_state;
   f.avx512 = f.avx2 && avx512f && zmm_state;
 #endif
   return f;

@@ -62,6 +62,7 @@ void multi_head_attention(const MhaArgs<T>& m, int num_threads) {
   a.v_stride_s = kv_width;
   a.out = context.get();
   a.num_heads = m.num_heads;
+  a.group = group;
   a.out_stride_b = m.q_len * q_width;
   a.out_stride_h = m.head_dim;
   a.out_stride_l = q_width;

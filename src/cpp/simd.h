@@ -22,6 +22,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #if defined(PYATTN_SIMD_AVX512) || defined(PYATTN_SIMD_AVX2)
@@ -36,6 +37,30 @@ constexpr double exp2_coeff(int k) {
   double c = 1.0;
   for (int i = 1; i <= k; ++i) c *= 0.693147180559945309417232121458176568 / i;
   return c;
+}
+
+// Scalar conversions of 16-bit storage formats (tails, the generic path, and the driver).
+inline float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline float bf16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  if (exp == 0x1f) return bits_to_float(sign | 0x7f800000u | (man << 13));  // inf / NaN
+  if (exp == 0) {
+    if (man == 0) return bits_to_float(sign);
+    // Subnormal half: renormalise.
+    exp = 127 - 15 + 1;
+    while (!(man & 0x400)) {
+      man <<= 1;
+      --exp;
+    }
+    return bits_to_float(sign | (exp << 23) | ((man & 0x3ff) << 13));
+  }
+  return bits_to_float(sign | ((exp + 127 - 15) << 23) | (man << 13));
 }
 
 template <class T>
@@ -84,6 +109,13 @@ struct Simd<float> {
     const __mmask16 tiny = _mm512_cmp_ps_mask(x, set1(-126.0f), _CMP_LT_OQ);
     return _mm512_mask_blend_ps(tiny, mul(p, pow2n), zero());
   }
+  static float hsum(reg x) { return _mm512_reduce_add_ps(x); }
+  // float16 (IEEE binary16) and bfloat16 bit patterns to float32, one vector.
+  static reg load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static reg load_bf16(const uint16_t* p) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
 };
 
 template <>
@@ -121,6 +153,7 @@ struct Simd<double> {
     const __mmask8 tiny = _mm512_cmp_pd_mask(x, set1(-1022.0), _CMP_LT_OQ);
     return _mm512_mask_blend_pd(tiny, mul(p, pow2n), zero());
   }
+  static double hsum(reg x) { return _mm512_reduce_add_pd(x); }
 };
 
 #elif defined(PYATTN_SIMD_AVX2)
@@ -165,6 +198,17 @@ struct Simd<float> {
     const reg tiny = _mm256_cmp_ps(x, set1(-126.0f), _CMP_LT_OQ);
     return _mm256_blendv_ps(mul(p, pow2n), zero(), tiny);
   }
+  static float hsum(reg x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static reg load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static reg load_bf16(const uint16_t* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
 };
 
 template <>
@@ -202,6 +246,10 @@ struct Simd<double> {
     const reg tiny = _mm256_cmp_pd(x, set1(-1022.0), _CMP_LT_OQ);
     return _mm256_blendv_pd(mul(p, pow2n), zero(), tiny);
   }
+  static double hsum(reg x) {
+    __m128d s = _mm_add_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+  }
 };
 
 #else  // generic: one lane, plain C++ (any architecture); libm's exp2 is exact to < 1 ULP
@@ -226,6 +274,9 @@ struct Simd {
   static reg fma_nonzero(reg a, reg b, reg c) { return a != T(0) ? a * b + c : c; }
   static reg neg_inf_to_zero(reg x) { return x == -std::numeric_limits<T>::infinity() ? T(0) : x; }
   static reg exp2(reg x) { return std::exp2(x); }
+  static T hsum(reg x) { return x; }
+  static reg load_f16(const uint16_t* p) { return T(half_to_float(*p)); }
+  static reg load_bf16(const uint16_t* p) { return T(bf16_to_float(*p)); }
 };
 
 #endif

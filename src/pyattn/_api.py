@@ -261,7 +261,7 @@ def scaled_dot_product_attention(
     _core.sdpa(
         q, k, v, mask, out, weights, np.ascontiguousarray(offsets, dtype=np.int64),
         [_row_stride(q, -2), _row_stride(k, -2), _row_stride(v, -2), mask_strides[0], mask_strides[1]],
-        [q_off.size, q_len, kv_len, head_dim, value_dim],
+        [q_off.size, q_len, kv_len, head_dim, value_dim, group],
         causal is not None, (kv_len - q_len) if causal == "lower_right" else 0,
         scale_value, threads,
     )

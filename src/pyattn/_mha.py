@@ -346,11 +346,12 @@ class MultiHeadAttention:
             d["out_proj.bias"] = w.bo.copy()
         return d
 
+    # Read-only views with torch's attribute names (None where torch has None).
     in_proj_weight = property(lambda self: self.state_dict().get("in_proj_weight"))
     in_proj_bias = property(lambda self: self.state_dict().get("in_proj_bias"))
-    q_proj_weight = property(lambda self: self._weights.q)
-    k_proj_weight = property(lambda self: self._weights.k)
-    v_proj_weight = property(lambda self: self._weights.v)
+    q_proj_weight = property(lambda self: None if self._has_in_proj else self._weights.q)
+    k_proj_weight = property(lambda self: None if self._has_in_proj else self._weights.k)
+    v_proj_weight = property(lambda self: None if self._has_in_proj else self._weights.v)
     out_proj_weight = property(lambda self: self._weights.o)
     out_proj_bias = property(lambda self: self._weights.bo)
 
