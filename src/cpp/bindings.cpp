@@ -131,7 +131,8 @@ template <class T>
 void run_sdpa(const py::array& q, const py::array& k, const py::array& v, const py::object& mask_obj,
               py::array& out, const py::object& weights_obj, const py::array_t<int64_t>& offsets,
               const std::vector<int64_t>& strides, const std::vector<int64_t>& dims, int64_t causal,
-              int64_t causal_offset, double scale, int num_threads) {
+              int64_t causal_offset, double scale, int num_threads, Storage storage, const py::object& kv_lens,
+              const py::object& causal_offsets, int64_t num_heads) {
   AttnArgs<T> a;
   a.batch_heads = dims[0];
   a.q_len = dims[1];
@@ -164,8 +165,31 @@ void run_sdpa(const py::array& q, const py::array& k, const py::array& v, const 
   check_block("key", k, a.k_offset, a.batch_heads, a.kv_len, a.k_stride_s, a.head_dim, 1);
   check_block("value", v, a.v_offset, a.batch_heads, a.kv_len, a.v_stride_s, a.value_dim, 1);
   a.q = static_cast<const T*>(q.data());
-  a.k = static_cast<const T*>(k.data());
+  a.k = static_cast<const T*>(k.data());  // uint16 data when storage != same (read as such by the kernel)
   a.v = static_cast<const T*>(v.data());
+  a.kv_storage = storage;
+
+  // Output addressing and per-batch-entry cache lengths: num_heads query heads per batch entry.
+  a.num_heads = num_heads > 0 ? num_heads : (a.batch_heads > 0 ? a.batch_heads : 1);
+  if (a.batch_heads % a.num_heads != 0 || a.num_heads % a.group != 0)
+    fail("num_heads must divide batch_heads and be a multiple of group");
+  const int64_t batch = a.batch_heads / a.num_heads;
+  std::vector<py::array_t<int64_t>> per_batch;
+  for (const py::object* obj : {&kv_lens, &causal_offsets}) {
+    if (obj->is_none()) continue;
+    const py::array_t<int64_t> arr = obj->cast<py::array_t<int64_t>>();
+    if (arr.ndim() != 1 || arr.shape(0) != batch || !(arr.flags() & py::array::c_style))
+      fail("kv_lens/causal_offsets must be contiguous int64 arrays with one entry per batch row");
+    per_batch.push_back(arr);
+    if (obj == &kv_lens) {
+      for (int64_t b = 0; b < batch; ++b)
+        if (arr.data()[b] < 0 || arr.data()[b] > a.kv_len) fail("kv_lens entries must lie in [0, kv_len]");
+      a.kv_lens = arr.data();
+    } else {
+      a.causal_offsets = arr.data();
+    }
+  }
+  if (a.kv_lens && weights_obj.is_none() == false) fail("return_weights is not supported with per-row kv lengths");
 
   a.masks[0] = mask_slot<T>("attn_mask", mask_obj, q.dtype(), off + 3 * a.batch_heads, strides[3], strides[4],
                             false, a.batch_heads, a.q_len, a.kv_len);
@@ -173,7 +197,7 @@ void run_sdpa(const py::array& q, const py::array& k, const py::array& v, const 
   const int64_t out_size = checked_mul(checked_mul(a.batch_heads, a.q_len), a.value_dim);
   check_output("out", out, q.dtype(), out_size);
   a.out = static_cast<T*>(out.mutable_data());
-  a.num_heads = a.batch_heads > 0 ? a.batch_heads : 1;  // one batch entry: head bh = bh
+  a.out_stride_b = checked_mul(a.num_heads, checked_mul(a.q_len, a.value_dim));
   a.out_stride_h = a.q_len * a.value_dim;
   a.out_stride_l = a.value_dim;
   py::array weights;
@@ -191,14 +215,28 @@ void run_sdpa(const py::array& q, const py::array& k, const py::array& v, const 
 void sdpa(const py::array& q, const py::array& k, const py::array& v, const py::object& mask,
           py::array out, const py::object& weights, const py::array_t<int64_t>& offsets,
           const std::vector<int64_t>& strides, const std::vector<int64_t>& dims, int64_t causal,
-          int64_t causal_offset, double scale, int num_threads) {
+          int64_t causal_offset, double scale, int num_threads, int kv_storage, const py::object& kv_lens,
+          const py::object& causal_offsets, int64_t num_heads) {
   if (strides.size() != 5) fail("strides must have 5 entries");
   if (dims.size() != 6) fail("dims must have 6 entries");
-  if (!q.dtype().is(k.dtype()) || !q.dtype().is(v.dtype())) fail("query, key and value must share one dtype");
+  if (kv_storage < 0 || kv_storage > 2) fail("kv_storage must be 0 (same), 1 (float16) or 2 (bfloat16)");
+  const Storage storage = Storage(kv_storage);
+  if (storage == Storage::same) {
+    if (!q.dtype().is(k.dtype()) || !q.dtype().is(v.dtype())) fail("query, key and value must share one dtype");
+  } else {
+    // 16-bit K/V are passed as uint16 views and read by the decode kernel, which needs few query rows.
+    if (!is_float32(q)) fail("query: must be float32 with float16/bfloat16 keys and values");
+    if (!k.dtype().is(py::dtype::of<uint16_t>()) || !v.dtype().is(py::dtype::of<uint16_t>()))
+      fail("key/value: 16-bit storage must be passed as uint16 views");
+    if (!weights.is_none()) fail("return_weights needs float32 keys and values");
+    if (dims[1] > 4) fail("float16/bfloat16 keys and values are read directly only for q_len <= 4");
+  }
   if (is_float32(q))
-    run_sdpa<float>(q, k, v, mask, out, weights, offsets, strides, dims, causal, causal_offset, scale, num_threads);
+    run_sdpa<float>(q, k, v, mask, out, weights, offsets, strides, dims, causal, causal_offset, scale, num_threads,
+                    storage, kv_lens, causal_offsets, num_heads);
   else if (is_float64(q))
-    run_sdpa<double>(q, k, v, mask, out, weights, offsets, strides, dims, causal, causal_offset, scale, num_threads);
+    run_sdpa<double>(q, k, v, mask, out, weights, offsets, strides, dims, causal, causal_offset, scale, num_threads,
+                     storage, kv_lens, causal_offsets, num_heads);
   else
     fail("query: dtype must be float32 or float64");
 }
@@ -413,7 +451,8 @@ PYBIND11_MODULE(_core, m) {
 
   m.def("sdpa", &sdpa, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("mask"), py::arg("out"),
         py::arg("weights"), py::arg("offsets"), py::arg("strides"), py::arg("dims"), py::arg("causal"),
-        py::arg("causal_offset"), py::arg("scale"), py::arg("num_threads"),
+        py::arg("causal_offset"), py::arg("scale"), py::arg("num_threads"), py::arg("kv_storage") = 0,
+        py::arg("kv_lens") = py::none(), py::arg("causal_offsets") = py::none(), py::arg("num_heads") = 0,
         "Low-level attention entry; arguments prepared by pyattn._api.");
   m.def("pack_weights", &pack_weights_py, py::arg("weight"),
         "Pack a (out_features, in_features) weight for the active ISA's GEMM; returns (packed, panel).");

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from . import _core
 from ._api import scaled_dot_product_attention
+from ._cache import KVCache
 from ._mha import MultiHeadAttention, mha
 
 try:
@@ -22,6 +23,7 @@ __all__ = [
     "scaled_dot_product_attention",
     "mha",
     "MultiHeadAttention",
+    "KVCache",
     "set_num_threads",
     "get_num_threads",
     "available_isas",

@@ -18,6 +18,15 @@ import numpy as np
 from . import _core
 
 _SUPPORTED = (np.dtype(np.float32), np.dtype(np.float64))
+# 16-bit inputs compute in float32 and return their own dtype; bfloat16 is ml_dtypes' dtype.
+_HALF_STORAGE = {"float16": 1, "bfloat16": 2}
+# Query rows per head at or below which the core's decode kernel reads 16-bit K/V directly
+# (src/cpp/attention.cpp, kDecodeMaxLen); longer queries get float32 copies of K and V.
+_DIRECT_HALF_MAX_Q_LEN = 4
+
+
+def _is_half(dtype):
+    return dtype.name in _HALF_STORAGE
 _CAUSAL = {False: None, True: "upper_left", "upper_left": "upper_left", "lower_right": "lower_right"}
 
 
@@ -26,8 +35,8 @@ def _as_float_array(x, name):
         if x is None:
             raise TypeError(f"{name}: expected a NumPy array, got None")
         x = np.asarray(x)
-    if x.dtype not in _SUPPORTED:
-        raise TypeError(f"{name}: dtype must be float32 or float64, got {x.dtype}")
+    if x.dtype not in _SUPPORTED and not _is_half(x.dtype):
+        raise TypeError(f"{name}: dtype must be float32, float64, float16 or bfloat16, got {x.dtype}")
     if x.ndim < 2:
         raise ValueError(f"{name}: expected at least 2 dimensions (..., seq_len, dim), got shape {x.shape}")
     return x
@@ -183,6 +192,16 @@ def scaled_dot_product_attention(
         )
     dtype = q.dtype
     out_ndim = max(q.ndim, k.ndim, v.ndim)
+    kv_storage = 0
+    if _is_half(dtype):
+        # Computed in float32. A few query rows read 16-bit K/V directly (the decode kernel converts
+        # one block at a time); otherwise K and V are converted to float32 copies first.
+        q = q.astype(np.float32)
+        if q.shape[-2] <= _DIRECT_HALF_MAX_Q_LEN and not return_weights:
+            kv_storage = _HALF_STORAGE[dtype.name]
+            k, v = _kernel_layout(k).view(np.uint16), _kernel_layout(v).view(np.uint16)
+        else:
+            k, v = k.astype(np.float32), v.astype(np.float32)
     q, k, v = (_as_heads(_kernel_layout(x)) for x in (q, k, v))
 
     num_q_heads, q_len, head_dim = q.shape[-3:]
@@ -222,6 +241,8 @@ def scaled_dot_product_attention(
         mask = attn_mask if isinstance(attn_mask, np.ndarray) else np.asarray(attn_mask)
         if mask.dtype != np.bool_ and mask.dtype != dtype:
             raise TypeError(f"attn_mask: dtype must be bool or the query's dtype ({dtype}), got {mask.dtype}")
+        if mask.dtype != np.bool_ and mask.dtype != q.dtype:
+            mask = mask.astype(q.dtype)  # a 16-bit float mask, widened like the inputs
         # The kernels read the mask through arbitrary strides, the last axis included.
         mask = _kernel_layout(mask, contiguous_last=False)
         try:
@@ -233,14 +254,15 @@ def scaled_dot_product_attention(
 
     heads_shape = batch + (num_q_heads,)
     out_shape = (q_len, value_dim) if out_ndim == 2 else batch + (num_q_heads, q_len, value_dim)
-    if out is None:
-        out = _allocate(out_shape, dtype, "out")
-    else:
+    user_out = out
+    if out is not None:
         _check_out(out, out_shape, dtype, [("query", q), ("key", k), ("value", v), ("attn_mask", mask)])
+    if out is None or out.dtype != q.dtype:  # 16-bit results are computed into a float32 buffer
+        out = _allocate(out_shape, q.dtype, "out")
     weights = None
     if return_weights:
         w_shape = (q_len, kv_len) if out_ndim == 2 else batch + (num_q_heads, q_len, kv_len)
-        weights = _allocate(w_shape, dtype, "return_weights")
+        weights = _allocate(w_shape, q.dtype, "return_weights")
 
     group = num_q_heads // num_kv_heads if num_kv_heads else 1
     q_off = _offsets(np.broadcast_to(q, heads_shape + q.shape[-2:]), heads_shape)
@@ -263,6 +285,14 @@ def scaled_dot_product_attention(
         [_row_stride(q, -2), _row_stride(k, -2), _row_stride(v, -2), mask_strides[0], mask_strides[1]],
         [q_off.size, q_len, kv_len, head_dim, value_dim, group],
         causal is not None, (kv_len - q_len) if causal == "lower_right" else 0,
-        scale_value, threads,
+        scale_value, threads, kv_storage=kv_storage,
     )
+    if out.dtype != dtype:
+        out = out.astype(dtype) if user_out is None else _store(user_out, out)
+        weights = None if weights is None else weights.astype(dtype)
     return (out, weights) if return_weights else out
+
+
+def _store(dst, src):
+    dst[...] = src
+    return dst

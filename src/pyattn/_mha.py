@@ -48,11 +48,21 @@ class _Weights:
         self._packed = {}
 
     def packed(self):
-        """Weights packed for the active ISA's GEMM (cached per ISA)."""
+        """(q, k, v, o) weights packed for the active ISA's GEMM (cached per ISA), and the panel width."""
         isa = _core.isa()
         if isa not in self._packed:
-            self._packed[isa] = tuple(_core.pack_weights(np.ascontiguousarray(w))[0] for w in (self.q, self.k, self.v, self.o))
+            packs = [_core.pack_weights(np.ascontiguousarray(w)) for w in (self.q, self.k, self.v, self.o)]
+            self._packed[isa] = (tuple(p for p, _ in packs), packs[0][1])
         return self._packed[isa]
+
+    def linear(self, x, which, threads):
+        """x (rows, in) @ W.T + b for which in "qkvo", through the core's GEMM."""
+        packed, panel = self.packed()
+        index = "qkvo".index(which)
+        w, b = (self.q, self.k, self.v, self.o)[index], (self.bq, self.bk, self.bv, self.bo)[index]
+        out = np.empty((x.shape[0], w.shape[0]), self.dtype)
+        _core.linear(x, packed[index], panel, w.shape[0], b, out, threads)
+        return out
 
 
 def _resolve_weights(embed_dim, kdim, vdim, num_heads, num_kv_heads, dtype, in_proj_weight, in_proj_bias,
@@ -159,8 +169,45 @@ def _key_value(q, key, value):
     return _array(key, "key", q.dtype), _array(value, "value", q.dtype)
 
 
+def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, threads):
+    """Self-attention of new tokens q (batch, chunk, E) over kv_cache, after appending their K/V."""
+    from ._cache import KVCache
+
+    if not isinstance(kv_cache, KVCache):
+        raise TypeError(f"kv_cache: expected a pyattn.KVCache, got {type(kv_cache).__name__}")
+    if need_weights:
+        raise ValueError("need_weights: not supported with kv_cache")
+    if (kv_cache.num_kv_heads, kv_cache.head_dim, kv_cache.value_dim) != (w.num_kv_heads, w.head_dim, w.head_dim):
+        raise ValueError(
+            f"kv_cache: expected num_kv_heads={w.num_kv_heads}, head_dim=value_dim={w.head_dim}, got {kv_cache!r}")
+    compute = np.dtype(np.float32) if kv_cache.dtype.name in ("float16", "bfloat16") else kv_cache.dtype
+    if compute != w.dtype:
+        raise TypeError(f"kv_cache: storage {kv_cache.dtype} computes in {compute}, but the layer is {w.dtype}")
+    batched = q.ndim == 3
+    x = q if batched else q[np.newaxis]
+    if x.shape[0] != kv_cache.batch:
+        raise ValueError(f"query: batch size must equal kv_cache.batch ({kv_cache.batch}), got {x.shape[0]}")
+    batch, chunk = x.shape[0], x.shape[1]
+    rows = _rows(x, True)
+    heads = lambda y, n: y.reshape(batch, chunk, n, w.head_dim).transpose(0, 2, 1, 3)  # noqa: E731 (views)
+    k = heads(w.linear(rows, "k", threads), w.num_kv_heads)
+    v = heads(w.linear(rows, "v", threads), w.num_kv_heads)
+    kv_cache.append(k, v, num_new=num_new, left_padded=left_padded)
+    context = kv_cache.attend(heads(w.linear(rows, "q", threads), w.num_heads), num_threads=threads or None)
+    context = np.ascontiguousarray(context.transpose(0, 2, 1, 3)).reshape(batch * chunk, w.embed_dim)
+    out = w.linear(context, "o", threads).reshape(batch, chunk, w.embed_dim)
+    return out if batched else out[0]
+
+
 def _forward(w, query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, average_attn_weights,
-             num_threads):
+             num_threads, kv_cache=None, num_new=None, left_padded=False):
+    if kv_cache is not None:
+        if key is not None or value is not None or attn_mask is not None or key_padding_mask is not None:
+            raise ValueError("kv_cache: self-attention only; per-row lengths (num_new) replace masks")
+        q = _array(query, "query", w.dtype)
+        if q.ndim not in (2, 3) or q.shape[-1] != w.embed_dim:
+            raise ValueError(f"query: expected (batch, chunk, {w.embed_dim}) or (chunk, {w.embed_dim}), got {q.shape}")
+        return _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, _threads_value(num_threads))
     q = _array(query, "query")
     if q.dtype != w.dtype:
         raise TypeError(f"query: dtype must be {w.dtype} (the weights' dtype), got {q.dtype}")
@@ -200,7 +247,7 @@ def _forward(w, query, key, value, attn_mask, key_padding_mask, is_causal, need_
 
     out = _allocate((batch, q_len, w.embed_dim) if batched else (q_len, w.embed_dim), w.dtype, "out")
     weights = _allocate((batch, w.num_heads, q_len, kv_len), w.dtype, "need_weights") if need_weights else None
-    packed = w.packed()
+    packed, _ = w.packed()
     _core.mha(
         _rows(q, batched), _rows(k, batched), _rows(v, batched),
         (*packed, w.bq, w.bk, w.bv, w.bo),
@@ -220,7 +267,8 @@ def _forward(w, query, key, value, attn_mask, key_padding_mask, is_causal, need_
 def mha(query, key=None, value=None, *, num_heads, in_proj_weight=None, in_proj_bias=None, q_proj_weight=None,
         k_proj_weight=None, v_proj_weight=None, q_proj_bias=None, k_proj_bias=None, v_proj_bias=None,
         out_proj_weight=None, out_proj_bias=None, attn_mask=None, key_padding_mask=None, is_causal=False,
-        need_weights=False, average_attn_weights=True, num_kv_heads=None, num_threads=None):
+        need_weights=False, average_attn_weights=True, num_kv_heads=None, kv_cache=None, num_new=None,
+        left_padded=False, num_threads=None):
     """Multi-head attention (inference) with torch.nn.MultiheadAttention's weights and conventions.
 
     Parameters
@@ -249,6 +297,11 @@ def mha(query, key=None, value=None, *, num_heads, in_proj_weight=None, in_proj_
         (batch, num_heads, q_len, kv_len) per head.
     num_kv_heads : int, optional
         Key/value heads for grouped-query (1 = multi-query) attention; must divide num_heads.
+    kv_cache : pyattn.KVCache, optional
+        Incremental decoding (self-attention only): the new tokens' K/V are appended to the cache
+        and their queries attend to every cached key with the lower-right causal alignment.
+        num_new (batch,) gives the real token count per row of a padded chunk (right padding, or
+        left with left_padded=True); masks are not needed (and not accepted) with a cache.
     num_threads : int, optional
 
     Returns
@@ -262,8 +315,8 @@ def mha(query, key=None, value=None, *, num_heads, in_proj_weight=None, in_proj_
     w = _resolve_weights(q.shape[-1], k.shape[-1], v.shape[-1], num_heads, num_kv_heads, q.dtype, in_proj_weight,
                          in_proj_bias, q_proj_weight, k_proj_weight, v_proj_weight, q_proj_bias, k_proj_bias,
                          v_proj_bias, out_proj_weight, out_proj_bias)
-    return _forward(w, q, k, v, attn_mask, key_padding_mask, is_causal, need_weights, average_attn_weights,
-                    num_threads)
+    return _forward(w, q, None if key is None else k, None if value is None else v, attn_mask, key_padding_mask,
+                    is_causal, need_weights, average_attn_weights, num_threads, kv_cache, num_new, left_padded)
 
 
 class MultiHeadAttention:
@@ -392,10 +445,11 @@ class MultiHeadAttention:
 
     # -- forward --------------------------------------------------------------------------------
     def __call__(self, query, key=None, value=None, *, attn_mask=None, key_padding_mask=None, is_causal=False,
-                 need_weights=False, average_attn_weights=True, num_threads=None):
+                 need_weights=False, average_attn_weights=True, kv_cache=None, num_new=None, left_padded=False,
+                 num_threads=None):
         """Same as pyattn.mha with this layer's weights."""
         return _forward(self._weights, query, key, value, attn_mask, key_padding_mask, is_causal, need_weights,
-                        average_attn_weights, num_threads)
+                        average_attn_weights, num_threads, kv_cache, num_new, left_padded)
 
     def __repr__(self):
         return (f"MultiHeadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "

@@ -1,0 +1,224 @@
+# SPDX-License-Identifier: MIT
+"""KVCache: preallocated key/value storage for incremental decoding.
+
+A generating model appends the keys and values of its new tokens at every step and attends from the
+new queries to everything cached, with the lower-right causal alignment (query i of the new chunk
+sits at position length_before + i and sees keys up to there). Each batch row has its own length,
+so prompts of different lengths need no padding mask: the attention of row b reads only its first
+lengths[b] keys (the core takes per-row lengths and causal offsets; nothing is materialised).
+
+Storage may be float32, float64, float16 or bfloat16 (``ml_dtypes.bfloat16``); 16-bit storage halves
+the bytes a decode step streams, and the core converts it to float32 one block at a time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _core
+from ._api import _HALF_STORAGE, _DIRECT_HALF_MAX_Q_LEN, _threads_value
+
+
+def _storage_dtype(dtype):
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:  # pragma: no cover - depends on the environment
+            raise TypeError("dtype: bfloat16 needs the ml_dtypes package (pip install ml_dtypes)") from None
+        return np.dtype(ml_dtypes.bfloat16)
+    dtype = np.dtype(dtype)
+    if dtype.name not in ("float32", "float64", "float16", "bfloat16"):
+        raise TypeError(f"dtype: must be float32, float64, float16 or bfloat16, got {dtype}")
+    return dtype
+
+
+def _positive_int(value, name, minimum=1):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+class KVCache:
+    """Key/value cache of shape (batch, num_kv_heads, max_len, head_dim / value_dim).
+
+    Parameters
+    ----------
+    batch, num_kv_heads, head_dim, max_len : int
+    value_dim : int, optional
+        Defaults to head_dim.
+    dtype : float32 (default), float64, float16 or bfloat16
+        Storage dtype. 16-bit caches are read by the core directly and computed in float32.
+
+    Attributes
+    ----------
+    lengths : ndarray of int64, (batch,)
+        Filled length of each batch row.
+    """
+
+    def __init__(self, batch, num_kv_heads, head_dim, max_len, *, value_dim=None, dtype=np.float32):
+        self.batch = _positive_int(batch, "batch")
+        self.num_kv_heads = _positive_int(num_kv_heads, "num_kv_heads")
+        self.head_dim = _positive_int(head_dim, "head_dim")
+        self.max_len = _positive_int(max_len, "max_len")
+        self.value_dim = self.head_dim if value_dim is None else _positive_int(value_dim, "value_dim")
+        self.dtype = _storage_dtype(dtype)
+        nbytes = self.batch * self.num_kv_heads * self.max_len * (self.head_dim + self.value_dim) * self.dtype.itemsize
+        try:
+            self._k = np.zeros((self.batch, self.num_kv_heads, self.max_len, self.head_dim), self.dtype)
+            self._v = np.zeros((self.batch, self.num_kv_heads, self.max_len, self.value_dim), self.dtype)
+        except (MemoryError, ValueError):
+            raise ValueError(f"max_len: a cache of {nbytes} bytes cannot be allocated") from None
+        self.lengths = np.zeros(self.batch, np.int64)
+        # What the last append added: per-row count and where the valid tokens sat in the chunk.
+        self._last_new = np.zeros(self.batch, np.int64)
+        self._last_chunk = 0
+        self._last_left = False
+
+    def __repr__(self):
+        return (f"KVCache(batch={self.batch}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"max_len={self.max_len}, value_dim={self.value_dim}, dtype={self.dtype}, lengths={self.lengths.tolist()})")
+
+    # -- filling ----------------------------------------------------------------------------------
+    def append(self, key, value, *, num_new=None, left_padded=False):
+        """Append a chunk of new tokens' keys and values.
+
+        key : (batch, num_kv_heads, chunk, head_dim); value : (batch, num_kv_heads, chunk, value_dim).
+        Any float dtype; converted to the storage dtype. num_new : optional (batch,) ints in
+        [0, chunk]: how many of the chunk's tokens are real in each row (prompts of different
+        lengths); they are the first num_new[b] tokens (right padding) or, with left_padded=True,
+        the last ones. Raises ValueError, changing nothing, if a row would exceed max_len.
+        """
+        k = np.asarray(key)
+        v = np.asarray(value)
+        if k.ndim != 4 or k.shape[0] != self.batch or k.shape[1] != self.num_kv_heads or k.shape[3] != self.head_dim:
+            raise ValueError(
+                f"key: expected shape ({self.batch}, {self.num_kv_heads}, chunk, {self.head_dim}), got {k.shape}")
+        chunk = k.shape[2]
+        if v.shape != (self.batch, self.num_kv_heads, chunk, self.value_dim):
+            raise ValueError(
+                f"value: expected shape {(self.batch, self.num_kv_heads, chunk, self.value_dim)}, got {v.shape}")
+        for name, x in (("key", k), ("value", v)):
+            if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
+                raise TypeError(f"{name}: expected a floating dtype, got {x.dtype}")
+        if num_new is None:
+            counts = np.full(self.batch, chunk, np.int64)
+        else:
+            counts = np.asarray(num_new)
+            if counts.shape != (self.batch,) or counts.dtype.kind not in "iu":
+                raise ValueError(f"num_new: expected {self.batch} integers, got {counts!r}")
+            counts = counts.astype(np.int64)
+            if (counts < 0).any() or (counts > chunk).any():
+                raise ValueError(f"num_new: entries must lie in [0, {chunk}], got {counts.tolist()}")
+        end = self.lengths + counts
+        if (end > self.max_len).any():
+            b = int(np.argmax(end > self.max_len))
+            raise ValueError(
+                f"max_len: appending {int(counts[b])} tokens to batch row {b} (length {int(self.lengths[b])}) "
+                f"exceeds max_len={self.max_len}")
+        for b in range(self.batch):
+            n = int(counts[b])
+            start = chunk - n if left_padded else 0
+            pos = int(self.lengths[b])
+            self._k[b, :, pos:pos + n] = k[b, :, start:start + n]
+            self._v[b, :, pos:pos + n] = v[b, :, start:start + n]
+        self.lengths = end
+        self._last_new, self._last_chunk, self._last_left = counts, chunk, bool(left_padded)
+
+    def reset(self):
+        """Empty every row (storage is kept)."""
+        self.lengths[:] = 0
+        self._last_new[:] = 0
+        self._last_chunk = 0
+
+    def truncate(self, length):
+        """Keep at most `length` tokens per row (an int, or one per row)."""
+        length = np.broadcast_to(np.asarray(length, dtype=np.int64), (self.batch,))
+        if (length < 0).any():
+            raise ValueError(f"length: must be >= 0, got {length.tolist()}")
+        self.lengths = np.minimum(self.lengths, length)
+        self._last_new[:] = 0
+
+    def trim(self, count):
+        """Drop the last `count` tokens of every row (an int, or one per row)."""
+        count = np.broadcast_to(np.asarray(count, dtype=np.int64), (self.batch,))
+        if (count < 0).any():
+            raise ValueError(f"count: must be >= 0, got {count.tolist()}")
+        self.truncate(np.maximum(self.lengths - count, 0))
+
+    # -- views --------------------------------------------------------------------------------------
+    def _filled(self, storage, row):
+        if row is not None:
+            return storage[row, :, : int(self.lengths[row])]
+        if (self.lengths != self.lengths[0]).any():
+            raise ValueError(f"rows have different lengths {self.lengths.tolist()}: pass a batch row")
+        return storage[:, :, : int(self.lengths[0])]
+
+    def keys(self, row=None):
+        """View of the filled keys: (num_kv_heads, length, head_dim) of one row, or all rows
+        (batch, num_kv_heads, length, head_dim) when they have the same length."""
+        return self._filled(self._k, row)
+
+    def values(self, row=None):
+        """View of the filled values, like keys()."""
+        return self._filled(self._v, row)
+
+    # -- attention ----------------------------------------------------------------------------------
+    def attend(self, query, *, scale=None, num_threads=None):
+        """Attention of the last appended chunk's queries over each row's cached keys.
+
+        query : (batch, num_heads, chunk, head_dim), num_heads a multiple of num_kv_heads (grouped-
+        query attention). Query i of row b is at position lengths[b] - num_new[b] + i (right
+        padding) and sees keys up to there (lower-right causal alignment); padding query rows of
+        a shorter row produce values that should be ignored. Returns (batch, num_heads, chunk,
+        value_dim) in float32 for 16-bit caches, else the cache dtype.
+        """
+        q = np.asarray(query)
+        if q.ndim != 4 or q.shape[0] != self.batch or q.shape[3] != self.head_dim:
+            raise ValueError(f"query: expected shape ({self.batch}, num_heads, chunk, {self.head_dim}), got {q.shape}")
+        num_heads, chunk = q.shape[1], q.shape[2]
+        if num_heads % self.num_kv_heads:
+            raise ValueError(f"query: num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if chunk != self._last_chunk:
+            raise ValueError(f"query: chunk length {chunk} does not match the last append ({self._last_chunk})")
+        half = self.dtype.name in _HALF_STORAGE
+        compute = np.dtype(np.float32) if half else self.dtype
+        if q.dtype != compute:
+            if q.dtype.kind != "f" and q.dtype.name != "bfloat16":
+                raise TypeError(f"query: expected a floating dtype, got {q.dtype}")
+            q = q.astype(compute)
+        if not q.flags.c_contiguous:
+            q = np.ascontiguousarray(q)
+        k, v = self._k, self._v
+        storage = 0
+        if half and chunk <= _DIRECT_HALF_MAX_Q_LEN:
+            storage = _HALF_STORAGE[self.dtype.name]
+            k, v = k.view(np.uint16), v.view(np.uint16)
+        elif half:
+            filled = int(self.lengths.max())  # long chunks (prefill): float32 copies of the filled part
+            k, v = k[:, :, :filled].astype(np.float32), v[:, :, :filled].astype(np.float32)
+        kv_len = k.shape[2]
+        group = num_heads // self.num_kv_heads
+        heads = np.arange(num_heads, dtype=np.int64)
+        bidx = np.arange(self.batch, dtype=np.int64)[:, None]
+        item_k, item_v = k.strides[3], v.strides[3]
+        q_off = (bidx * q.strides[0] + heads * q.strides[1]).reshape(-1) // q.itemsize
+        k_off = (bidx * k.strides[0] + (heads // group) * k.strides[1]).reshape(-1) // item_k
+        v_off = (bidx * v.strides[0] + (heads // group) * v.strides[1]).reshape(-1) // item_v
+        offsets = np.ascontiguousarray(np.stack([q_off, k_off, v_off, np.zeros_like(q_off)]), dtype=np.int64)
+        first = self._last_chunk - self._last_new if self._last_left else np.zeros(self.batch, np.int64)
+        causal_offsets = np.ascontiguousarray(self.lengths - self._last_new - first, dtype=np.int64)
+        out = np.empty((self.batch, num_heads, chunk, self.value_dim), compute)
+        scale_value = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
+        if not math.isfinite(scale_value):
+            raise ValueError(f"scale: must be finite, got {scale_value}")
+        _core.sdpa(
+            q, k, v, None, out, None, offsets,
+            [q.strides[2] // q.itemsize, k.strides[2] // item_k, v.strides[2] // item_v, 0, 0],
+            [self.batch * num_heads, chunk, kv_len, self.head_dim, self.value_dim, group],
+            True, 0, scale_value, _threads_value(num_threads), kv_storage=storage,
+            kv_lens=np.ascontiguousarray(np.minimum(self.lengths, kv_len)), causal_offsets=causal_offsets,
+            num_heads=num_heads,
+        )
+        return out
