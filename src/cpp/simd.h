@@ -281,5 +281,23 @@ struct Simd {
 
 #endif
 
+// Bit x of the result is set when p[x * stride] != 0, for x < n <= 64 (mask bytes to bits; AVX2
+// compares 32 bytes at a time when they are contiguous, which the AVX-512 flavour also has).
+inline uint64_t nonzero_bits(const uint8_t* p, int64_t stride, int64_t n) {
+  if (stride == 0) return p[0] ? (n >= 64 ? ~uint64_t(0) : (uint64_t(1) << n) - 1) : 0;
+  uint64_t bits = 0;
+  int64_t x = 0;
+#if defined(PYATTN_SIMD_AVX2) || defined(PYATTN_SIMD_AVX512)
+  if (stride == 1)
+    for (; x + 32 <= n; x += 32) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + x));
+      const uint32_t zero = uint32_t(_mm256_movemask_epi8(_mm256_cmpeq_epi8(b, _mm256_setzero_si256())));
+      bits |= uint64_t(~zero) << x;
+    }
+#endif
+  for (; x < n; ++x) bits |= uint64_t(p[x * stride] != 0) << x;
+  return bits;
+}
+
 }  // namespace PYATTN_ISA_NS
 }  // namespace pyattn

@@ -10,6 +10,7 @@ from __future__ import annotations
 from . import _core
 from ._api import scaled_dot_product_attention
 from ._cache import KVCache
+from ._explain import Explanation, HeadSteps, explain, plot_heatmaps, render_text
 from ._mha import MultiHeadAttention, mha
 
 try:
@@ -24,6 +25,11 @@ __all__ = [
     "mha",
     "MultiHeadAttention",
     "KVCache",
+    "explain",
+    "Explanation",
+    "HeadSteps",
+    "render_text",
+    "plot_heatmaps",
     "set_num_threads",
     "get_num_threads",
     "available_isas",
