@@ -9,7 +9,6 @@
 // reshapes, transposes or copies what the previous one produced.
 
 #include <cmath>
-#include <memory>
 #include <vector>
 
 #include "attention.h"
@@ -20,9 +19,16 @@ template <class T>
 void multi_head_attention(const MhaArgs<T>& m, int num_threads) {
   const int64_t q_rows = m.batch * m.q_len, kv_rows = m.batch * m.kv_len;
   const int64_t q_width = m.num_heads * m.head_dim, kv_width = m.num_kv_heads * m.head_dim;
-  // Intermediate matrices, written in full by their producer, so left uninitialised.
-  std::unique_ptr<T[]> q(new T[size_t(q_rows * q_width)]), k(new T[size_t(kv_rows * kv_width)]),
-      v(new T[size_t(kv_rows * kv_width)]), context(new T[size_t(q_rows * q_width)]);
+  // Intermediate matrices, written in full by their producer. They live in a per-calling-thread
+  // workspace that only grows, so a layer called again and again does not pay page faults for fresh
+  // megabytes on every call (and concurrent callers never share one).
+  thread_local std::vector<T> workspace;
+  const size_t q_size = size_t(q_rows * q_width), kv_size = size_t(kv_rows * kv_width);
+  if (workspace.size() < 2 * q_size + 2 * kv_size) workspace.resize(2 * q_size + 2 * kv_size);
+  T* const q = workspace.data();
+  T* const k = q + q_size;
+  T* const v = k + kv_size;
+  T* const context = v + kv_size;
 
   auto project = [&](const T* x, int64_t x_stride, int64_t rows, int64_t in, const T* packed, const T* bias,
                      T* dst, int64_t width) {
@@ -38,9 +44,9 @@ void multi_head_attention(const MhaArgs<T>& m, int num_threads) {
     g.k = in;
     linear<T>(g, num_threads);
   };
-  project(m.xq, m.xq_stride, q_rows, m.embed_dim, m.packed_q, m.bias_q, q.get(), q_width);
-  project(m.xk, m.xk_stride, kv_rows, m.kdim, m.packed_k, m.bias_k, k.get(), kv_width);
-  project(m.xv, m.xv_stride, kv_rows, m.vdim, m.packed_v, m.bias_v, v.get(), kv_width);
+  project(m.xq, m.xq_stride, q_rows, m.embed_dim, m.packed_q, m.bias_q, q, q_width);
+  project(m.xk, m.xk_stride, kv_rows, m.kdim, m.packed_k, m.bias_k, k, kv_width);
+  project(m.xv, m.xv_stride, kv_rows, m.vdim, m.packed_v, m.bias_v, v, kv_width);
 
   const int64_t batch_heads = m.batch * m.num_heads;
   const int64_t group = m.num_heads / m.num_kv_heads;
@@ -51,16 +57,16 @@ void multi_head_attention(const MhaArgs<T>& m, int num_threads) {
       k_off[size_t(b * m.num_heads + h)] = b * m.kv_len * kv_width + (h / group) * m.head_dim;
     }
   AttnArgs<T> a;
-  a.q = q.get();
-  a.k = k.get();
-  a.v = v.get();
+  a.q = q;
+  a.k = k;
+  a.v = v;
   a.q_offset = q_off.data();
   a.k_offset = k_off.data();
   a.v_offset = k_off.data();  // K and V share their layout
   a.q_stride_l = q_width;
   a.k_stride_s = kv_width;
   a.v_stride_s = kv_width;
-  a.out = context.get();
+  a.out = context;
   a.num_heads = m.num_heads;
   a.group = group;
   a.out_stride_b = m.q_len * q_width;
@@ -79,7 +85,7 @@ void multi_head_attention(const MhaArgs<T>& m, int num_threads) {
   a.scale = m.head_dim > 0 ? 1.0 / std::sqrt(double(m.head_dim)) : 1.0;
   scaled_dot_product_attention<T>(a, num_threads);
 
-  project(context.get(), q_width, q_rows, q_width, m.packed_o, m.bias_o, m.out, m.embed_dim);
+  project(context, q_width, q_rows, q_width, m.packed_o, m.bias_o, m.out, m.embed_dim);
 }
 
 template void multi_head_attention<float>(const MhaArgs<float>&, int);
