@@ -29,15 +29,29 @@ namespace {
 [[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument(msg); }
 
 int64_t checked_mul(int64_t a, int64_t b) {
+#if defined(_MSC_VER) && !defined(__clang__)
+  if (a != 0 && b != 0) {
+    const bool neg = (a < 0) != (b < 0);
+    const uint64_t ua = a < 0 ? 0 - uint64_t(a) : uint64_t(a), ub = b < 0 ? 0 - uint64_t(b) : uint64_t(b);
+    if (ua > (neg ? uint64_t(INT64_MAX) + 1 : uint64_t(INT64_MAX)) / ub) fail("size computation overflows int64");
+  }
+  return a * b;
+#else
   int64_t r;
   if (__builtin_mul_overflow(a, b, &r)) fail("size computation overflows int64");
   return r;
+#endif
 }
 
 int64_t checked_add(int64_t a, int64_t b) {
+#if defined(_MSC_VER) && !defined(__clang__)
+  if ((b > 0 && a > INT64_MAX - b) || (b < 0 && a < INT64_MIN - b)) fail("size computation overflows int64");
+  return a + b;
+#else
   int64_t r;
   if (__builtin_add_overflow(a, b, &r)) fail("size computation overflows int64");
   return r;
+#endif
 }
 
 // Byte range [lo, hi) that an array's elements occupy, relative to its data pointer.
@@ -91,6 +105,7 @@ bool is_float64(const py::array& a) { return a.dtype().is(py::dtype::of<double>(
 bool is_bool(const py::array& a) { return a.dtype().kind() == 'b' && a.itemsize() == 1; }
 
 void check_aligned(const char* name, const py::array& arr) {
+  if (arr.size() == 0) return;  // nothing is read from an empty array
   const int64_t item = arr.itemsize();
   if (reinterpret_cast<uintptr_t>(arr.data()) % uintptr_t(item) != 0)
     fail(std::string(name) + ": data pointer is not aligned to its element size");
@@ -169,8 +184,9 @@ void run_sdpa(const py::array& q, const py::array& k, const py::array& v, const 
   a.v = static_cast<const T*>(v.data());
   a.kv_storage = storage;
 
+  if (a.batch_heads == 0) return;  // empty result, nothing to compute
   // Output addressing and per-batch-entry cache lengths: num_heads query heads per batch entry.
-  a.num_heads = num_heads > 0 ? num_heads : (a.batch_heads > 0 ? a.batch_heads : 1);
+  a.num_heads = num_heads > 0 ? num_heads : a.batch_heads;
   if (a.batch_heads % a.num_heads != 0 || a.num_heads % a.group != 0)
     fail("num_heads must divide batch_heads and be a multiple of group");
   const int64_t batch = a.batch_heads / a.num_heads;
@@ -416,7 +432,9 @@ std::vector<std::string> isa_list() {
 
 std::string compiler_string() {
 #if defined(__clang__)
-  return std::string("clang ") + __clang_version__;
+  std::string v = __clang_version__;
+  while (!v.empty() && v.back() == ' ') v.pop_back();
+  return "clang " + v;
 #elif defined(__GNUC__)
   return std::string("gcc ") + __VERSION__;
 #elif defined(_MSC_VER)

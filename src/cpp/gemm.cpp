@@ -66,6 +66,7 @@ void linear(const GemmArgs<T>& g, int num_threads) {
     return;
   }
 #endif
+  (void)threads;
   for (int64_t t = 0; t < tasks; ++t) body(t);
 }
 

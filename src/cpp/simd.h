@@ -153,7 +153,12 @@ struct Simd<double> {
     const __mmask8 tiny = _mm512_cmp_pd_mask(x, set1(-1022.0), _CMP_LT_OQ);
     return _mm512_mask_blend_pd(tiny, mul(p, pow2n), zero());
   }
-  static double hsum(reg x) { return _mm512_reduce_add_pd(x); }
+  static double hsum(reg x) {
+    // By hand: GCC 12's _mm512_reduce_add_pd trips -Wuninitialized inside its own header.
+    const __m256d h = _mm256_add_pd(_mm512_castpd512_pd256(x), _mm512_extractf64x4_pd(x, 1));
+    const __m128d s = _mm_add_pd(_mm256_castpd256_pd128(h), _mm256_extractf128_pd(h, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+  }
 };
 
 #elif defined(PYATTN_SIMD_AVX2)

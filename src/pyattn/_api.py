@@ -42,14 +42,14 @@ def _as_float_array(x, name):
     return x
 
 
-def _kernel_layout(x, contiguous_last=True):
+def _kernel_layout(x, contiguous_last=True, name="input"):
     """x itself when the kernels can read it through strides, else a C-contiguous copy."""
     item = x.itemsize
     last_ok = not contiguous_last or x.shape[-1] <= 1 or x.strides[-1] == item
     strides_ok = all(n <= 1 or s % item == 0 for n, s in zip(x.shape, x.strides))
     if last_ok and strides_ok and x.flags.aligned:
         return x
-    copy = np.empty(x.shape, dtype=x.dtype)  # fresh allocations are aligned, unlike ascontiguousarray(x)
+    copy = _allocate(x.shape, x.dtype, name)  # fresh allocations are aligned, unlike ascontiguousarray(x)
     copy[...] = x
     return copy
 
@@ -202,7 +202,7 @@ def scaled_dot_product_attention(
             k, v = _kernel_layout(k).view(np.uint16), _kernel_layout(v).view(np.uint16)
         else:
             k, v = k.astype(np.float32), v.astype(np.float32)
-    q, k, v = (_as_heads(_kernel_layout(x)) for x in (q, k, v))
+    q, k, v = (_as_heads(_kernel_layout(x, name=n)) for x, n in ((q, "query"), (k, "key"), (v, "value")))
 
     num_q_heads, q_len, head_dim = q.shape[-3:]
     num_kv_heads, kv_len, key_dim = k.shape[-3:]
@@ -244,7 +244,7 @@ def scaled_dot_product_attention(
         if mask.dtype != np.bool_ and mask.dtype != q.dtype:
             mask = mask.astype(q.dtype)  # a 16-bit float mask, widened like the inputs
         # The kernels read the mask through arbitrary strides, the last axis included.
-        mask = _kernel_layout(mask, contiguous_last=False)
+        mask = _kernel_layout(mask, contiguous_last=False, name="attn_mask")
         try:
             mask_view = np.broadcast_to(mask, batch + (num_q_heads, q_len, kv_len))
         except ValueError:

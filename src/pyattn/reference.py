@@ -22,6 +22,8 @@ __all__ = ["mha", "scaled_dot_product_attention"]
 def _allowed_keys(mask, is_causal, q_len, kv_len):
     """Boolean array broadcastable to (..., L, S): True where a query may attend a key."""
     allowed = np.ones((q_len, kv_len), dtype=bool)
+    if isinstance(is_causal, np.bool_):
+        is_causal = bool(is_causal)
     if is_causal is not False:
         if is_causal is True or is_causal == "upper_left":
             offset = 0
@@ -106,6 +108,8 @@ def scaled_dot_product_attention(
             terms = weights[..., :, :, None] * v[..., None, :, :]
             out = np.where(allowed[..., :, :, None], terms, 0.0).sum(axis=-2)
     if return_weights:
+        # Weights take the output's batch shape (value or the mask may add batch dimensions).
+        weights = np.broadcast_to(weights, out.shape[:-2] + weights.shape[-2:]).copy()
         return out, weights
     return out
 
@@ -124,9 +128,10 @@ def _as_float64(array, name, shape=None):
 
 
 def _project(x, weight, bias):
-    """x @ weight.T + bias (bias may be None)."""
-    y = x @ weight.T
-    return y if bias is None else y + bias
+    """x @ weight.T + bias (bias may be None); NaN/Inf inputs propagate without warnings."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        y = x @ weight.T
+        return y if bias is None else y + bias
 
 
 def _additive_mask(mask, name, bool_value):
@@ -220,7 +225,8 @@ def mha(
         w = _as_float64(in_proj_weight, "in_proj_weight", (embed_dim + 2 * kv_dim, embed_dim))
         wq, wk, wv = w[:embed_dim], w[embed_dim : embed_dim + kv_dim], w[embed_dim + kv_dim :]
     else:
-        for name, w in (("q_proj_weight", q_proj_weight), ("k_proj_weight", k_proj_weight), ("v_proj_weight", v_proj_weight)):
+        separate = {"q_proj_weight": q_proj_weight, "k_proj_weight": k_proj_weight, "v_proj_weight": v_proj_weight}
+        for name, w in separate.items():
             if w is None:
                 raise ValueError(f"{name}: required when in_proj_weight is not given")
         wq = _as_float64(q_proj_weight, "q_proj_weight", (embed_dim, embed_dim))

@@ -1,0 +1,118 @@
+# SPDX-License-Identifier: MIT
+"""Type stubs for the compiled extension pyattn._core (src/cpp/bindings.cpp).
+
+Private module: the public API is the pyattn package. The low-level entries (sdpa, mha, linear,
+pack_weights) take arguments prepared by pyattn._api / pyattn._mha and re-check every invariant the
+C++ side relies on; a failed check raises ValueError.
+"""
+
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: str
+
+# (name, mask array, per-(batch, head) int64 offsets, stride_l, stride_s, true_forbids)
+_MaskEntry = Tuple[str, np.ndarray, npt.NDArray[np.int64], int, int, bool]
+
+def sdpa(
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    mask: Optional[np.ndarray],
+    out: np.ndarray,
+    weights: Optional[np.ndarray],
+    offsets: npt.NDArray[np.int64],
+    strides: Sequence[int],
+    dims: Sequence[int],
+    causal: int,
+    causal_offset: int,
+    scale: float,
+    num_threads: int,
+    kv_storage: int = 0,
+    kv_lens: Optional[npt.NDArray[np.int64]] = None,
+    causal_offsets: Optional[npt.NDArray[np.int64]] = None,
+    num_heads: int = 0,
+) -> None:
+    """Low-level attention entry; arguments prepared by pyattn._api (and the KV cache).
+
+    offsets: C-contiguous int64 (4, batch_heads): element offsets of query, key, value and mask per
+    (batch, head). strides: (q_stride_l, k_stride_s, v_stride_s, mask_stride_l, mask_stride_s) in
+    elements. dims: (batch_heads, q_len, kv_len, head_dim, value_dim, group). kv_storage: 0 = K/V in
+    the query's dtype, 1 = float16, 2 = bfloat16 (stored as uint16). kv_lens / causal_offsets: one
+    entry per batch row (num_heads query heads each). Writes `out` (and `weights`). num_threads 0
+    means the default.
+    """
+
+def pack_weights(weight: np.ndarray) -> Tuple[np.ndarray, int]:
+    """Pack a (out_features, in_features) weight for the active ISA's GEMM; returns (packed, panel)."""
+
+def linear(
+    x: np.ndarray,
+    packed: np.ndarray,
+    panel: int,
+    n: int,
+    bias: Optional[np.ndarray],
+    out: np.ndarray,
+    num_threads: int,
+) -> None:
+    """out = x @ W.T + bias with W packed by pack_weights (x, out 2-D, last axis contiguous)."""
+
+def mha(
+    xq: np.ndarray,
+    xk: np.ndarray,
+    xv: np.ndarray,
+    weights: Tuple[
+        np.ndarray,
+        np.ndarray,
+        np.ndarray,
+        np.ndarray,
+        Optional[np.ndarray],
+        Optional[np.ndarray],
+        Optional[np.ndarray],
+        Optional[np.ndarray],
+    ],
+    dims: Sequence[int],
+    masks: Sequence[_MaskEntry],
+    causal: int,
+    causal_offset: int,
+    out: np.ndarray,
+    attn_weights: Optional[np.ndarray],
+    num_threads: int,
+) -> None:
+    """Low-level multi-head attention entry; arguments prepared by pyattn._mha.
+
+    weights: packed (q, k, v, out) projections then their optional biases. dims: (batch, q_len,
+    kv_len, embed_dim, kdim, vdim, num_heads, num_kv_heads, head_dim). At most two masks.
+    """
+
+def isa() -> str:
+    """Name of the kernel ISA in use."""
+
+def available_isas() -> list[str]:
+    """ISAs compiled into this build and supported by this CPU, worst to best."""
+
+def _set_isa(name: str) -> None:
+    """Force a kernel ISA (for tests and benchmarks); ValueError for an unknown or unsupported one."""
+
+def set_num_threads(n: int) -> None:
+    """Default thread count; 0 restores OpenMP's default. ValueError when negative."""
+
+def get_num_threads() -> int:
+    """Threads a call without num_threads will use."""
+
+def openmp_runtime() -> str:
+    """The OpenMP runtime this build links, or a note that it was built without OpenMP."""
+
+def openmp_enabled() -> bool:
+    """Whether this build was compiled with OpenMP."""
+
+def compiler() -> str:
+    """Compiler name and version that built the extension."""
+
+def fma_peak_gflops(num_threads: int, seconds: float = 0.5) -> float:
+    """float32 FMA throughput of the active ISA, GFLOP/s."""
+
+def read_bandwidth_gbs(num_threads: int, nbytes: int = 1073741824) -> float:
+    """Streaming read bandwidth, GB/s (best of 5)."""

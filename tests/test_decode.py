@@ -1,0 +1,792 @@
+# SPDX-License-Identifier: MIT
+"""Incremental decoding (issue 5): pyattn.KVCache, MultiHeadAttention(kv_cache=...), the decode path
+(few query rows against a long key range, split into chunks and merged) and float16/bfloat16 inputs.
+
+What is held against what:
+
+* decoding token by token, or prefilling in chunks (1, 3, 4, 5, 17 tokens: both sides of the decode
+  kernel's q_len <= 4 limit), equals one full causal forward of the same layer, for every ISA,
+  float32 and float64 layers, multi-head, grouped-query and multi-query attention;
+* 16-bit caches (float16, bfloat16) against a float64 computation from the K/V values the cache
+  actually stores (already rounded), so the only error left is float32 arithmetic;
+* ragged batches (num_new, right or left padding) against each row computed alone, with NaN in the
+  padding tokens and NaN garbage in the cache storage past each row's length;
+* 16-bit scaled_dot_product_attention (direct decode path for q_len <= 4, float32 copies above)
+  against the float64 reference of the rounded inputs;
+* the decode path's key-range split (kv_len 3000) with NaN in forbidden K/V rows, and bitwise
+  thread-count determinism (the split depends on the shape only, never on the thread count).
+
+Tolerances: float32/float64 use conftest.TOL; the 16-bit ones live in HALF_TOL below (the only place).
+"""
+
+import numpy as np
+import pytest
+from conftest import TOL, assert_close, make_qkv, nan_guarded, random_array, random_mask
+
+import pyattn
+from pyattn import reference
+
+try:
+    import ml_dtypes
+except ImportError:  # pragma: no cover - ml_dtypes is optional; bfloat16 cases are then skipped
+    ml_dtypes = None
+
+sdpa = pyattn.scaled_dot_product_attention
+
+# (rtol, atol) for results returned in a 16-bit dtype (scaled_dot_product_attention with float16 or
+# bfloat16 inputs) against the float64 reference of the same, already rounded, inputs. The core
+# computes in float32 and rounds the result once: at most half an ulp, i.e. 2^-11 (float16) or 2^-8
+# (bfloat16) relative; rtol is about twice that. atol is float32's: near zero the float32 error of
+# the computation dominates (float16's subnormal spacing, 6e-8, is far below it).
+# Results of a 16-bit *cache* (KVCache.attend, mha with kv_cache) are float32 computed from the
+# stored K/V, so they are held to TOL[np.float32] against a reference built from those stored values.
+HALF_TOL = {"float16": (1e-3, 2e-5), "bfloat16": (8e-3, 2e-5)}
+
+HALF_NAMES = ["float16", "bfloat16"]
+CACHE_DTYPES = ["float32", "float64", "float16", "bfloat16"]
+
+
+def np_dtype(name):
+    """The NumPy dtype for a dtype name; bfloat16 cases skip when ml_dtypes is missing."""
+    if name == "bfloat16":
+        if ml_dtypes is None:
+            pytest.skip("bfloat16 needs ml_dtypes")
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def compute_dtype(name):
+    """The dtype a cache of storage `name` computes in (and its layer must have)."""
+    return np.dtype(np.float32) if name in HALF_NAMES else np.dtype(name)
+
+
+def f64(x):
+    return np.asarray(x).astype(np.float64)
+
+
+def assert_half_close(actual, expected, name):
+    """A 16-bit result against the float64 reference, with HALF_TOL; dtype must be the input dtype."""
+    assert actual.dtype == np_dtype(name)
+    rtol, atol = HALF_TOL[name]
+    np.testing.assert_allclose(f64(actual), expected, rtol=rtol, atol=atol)
+
+
+def assert_compute_close(actual, expected, compute):
+    """Result of a cache of any storage (computed in `compute`) against a float64 reference."""
+    assert actual.dtype == compute
+    rtol, atol = TOL[compute.type]
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol)
+
+
+# --- layers and float64 references ---------------------------------------------------------------
+
+
+def make_layer(rng, embed_dim, num_heads, num_kv_heads, dtype):
+    """A MultiHeadAttention with random weights and non-zero biases."""
+    layer = pyattn.MultiHeadAttention(embed_dim, num_heads, num_kv_heads=num_kv_heads, dtype=dtype,
+                                      seed=int(rng.integers(1 << 30)))
+    state = layer.state_dict()
+    state["in_proj_bias"] = (0.5 * rng.standard_normal(state["in_proj_bias"].shape)).astype(dtype)
+    state["out_proj.bias"] = (0.5 * rng.standard_normal(state["out_proj.bias"].shape)).astype(dtype)
+    layer.load_state_dict(state)
+    return layer
+
+
+def reference_layer(layer, x, **kwargs):
+    """pyattn.reference.mha with `layer`'s weights (float64)."""
+    state = {k.replace(".", "_"): v for k, v in layer.state_dict().items()}
+    return reference.mha(x, num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, **state, **kwargs)
+
+
+def reference_layer_from_kv(layer, x, keys, values):
+    """float64 output of `layer` on x (B, L, E) attending causally to the given K/V (B, Hk, L, D):
+    the layer's own Q and output projections around reference attention over those K/V values."""
+    state = layer.state_dict()
+    e, h = layer.embed_dim, layer.num_heads
+    batch, length = x.shape[:2]
+    wq, bq = f64(state["in_proj_weight"][:e]), f64(state["in_proj_bias"][:e])
+    q = (f64(x) @ wq.T + bq).reshape(batch, length, h, e // h).transpose(0, 2, 1, 3)
+    context = reference.scaled_dot_product_attention(q, f64(keys), f64(values), is_causal=True, enable_gqa=True)
+    context = context.transpose(0, 2, 1, 3).reshape(batch, length, e)
+    return context @ f64(state["out_proj.weight"]).T + f64(state["out_proj.bias"])
+
+
+def run_chunks(layer, x, cache, sizes, **kwargs):
+    """Feed x (B, L, E) through layer with kv_cache in chunks of `sizes` (cycled); concatenated outputs."""
+    outs, t, n = [], 0, 0
+    while t < x.shape[1]:
+        size = sizes[n % len(sizes)]
+        outs.append(layer(x[:, t:t + size], kv_cache=cache, **kwargs))
+        t, n = t + size, n + 1
+    return np.concatenate(outs, axis=1)
+
+
+# --- decoding through the layer == one causal forward ---------------------------------------------
+
+
+@pytest.mark.parametrize("num_kv_heads", [8, 2, 1], ids=["mha", "gqa2", "mqa"])
+def test_token_by_token_equals_causal_forward(isa, dtype, rng, num_kv_heads):
+    layer = make_layer(rng, 64, 8, num_kv_heads, dtype)
+    x = random_array(rng, (2, 21, 64), dtype)
+    cache = pyattn.KVCache(2, num_kv_heads, 8, 32, dtype=dtype)
+    got = run_chunks(layer, x, cache, [1])
+    assert got.shape == x.shape
+    assert cache.lengths.tolist() == [21, 21]
+    assert_close(got, layer(x, is_causal=True), dtype)
+    assert_close(got, reference_layer(layer, x, is_causal=True), dtype)
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [[1], [3], [4], [5], [17], [17, 1, 5, 3, 4, 1]],
+    ids=["1", "3", "4", "5", "17", "mixed"],
+)
+@pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["gqa2", "mqa"])
+def test_chunked_prefill_equals_causal_forward(isa, dtype, rng, sizes, num_kv_heads):
+    """Chunks of <= 4 tokens go through the decode kernel, longer ones through the tiled kernel with
+    per-row causal offsets; any mix equals one causal pass (max_len = 40: filled exactly)."""
+    layer = make_layer(rng, 96, 8, num_kv_heads, dtype)
+    x = random_array(rng, (2, 40, 96), dtype)
+    cache = pyattn.KVCache(2, num_kv_heads, 12, 40, dtype=dtype)
+    got = run_chunks(layer, x, cache, sizes)
+    assert cache.lengths.tolist() == [40, 40]
+    assert_close(got, layer(x, is_causal=True), dtype)
+
+
+def test_unbatched_and_functional_forms(rng, dtype):
+    """Unbatched x (chunk, E) with a batch-1 cache, and pyattn.mha(..., kv_cache=) with the same weights."""
+    layer = make_layer(rng, 32, 4, 2, dtype)
+    x = random_array(rng, (9, 32), dtype)
+    cache = pyattn.KVCache(1, 2, 8, 16, dtype=dtype)
+    got = np.concatenate([layer(x[:5], kv_cache=cache), layer(x[5:6], kv_cache=cache), layer(x[6:], kv_cache=cache)])
+    assert got.shape == x.shape
+    assert_close(got, layer(x, is_causal=True), dtype)
+
+    state = {k.replace(".", "_"): v for k, v in layer.state_dict().items()}
+    cache_f = pyattn.KVCache(1, 2, 8, 16, dtype=dtype)
+    for t in range(9):
+        out = pyattn.mha(x[None, t:t + 1], num_heads=4, num_kv_heads=2, kv_cache=cache_f, **state)
+        np.testing.assert_allclose(out[0], got[t:t + 1], rtol=TOL[dtype][0], atol=TOL[dtype][1])
+    np.testing.assert_array_equal(cache_f.keys(0), cache.keys(0))
+
+
+@pytest.mark.parametrize("num_kv_heads", [8, 2, 1], ids=["mha", "gqa2", "mqa"])
+@pytest.mark.parametrize("name", HALF_NAMES)
+def test_half_cache_layer_matches_reference_of_stored_kv(isa, rng, name, num_kv_heads):
+    """float16/bfloat16 caches: prefill (converted path), a 3-token chunk and single tokens (direct
+    path) against float64 attention over the cache's own stored (rounded) K/V."""
+    storage = np_dtype(name)
+    layer = make_layer(rng, 64, 8, num_kv_heads, np.float32)
+    x = random_array(rng, (2, 30, 64), np.float32)
+    cache = pyattn.KVCache(2, num_kv_heads, 8, 30, dtype=name)
+    assert cache.dtype == storage
+    got = run_chunks(layer, x, cache, [9, 3, 1])
+    assert got.dtype == np.float32
+    keys, values = cache.keys(), cache.values()
+    assert keys.dtype == storage and keys.shape == (2, num_kv_heads, 30, 8)
+    assert_compute_close(got, reference_layer_from_kv(layer, x, keys, values), np.dtype(np.float32))
+    # The stored keys are the layer's K projection rounded to the storage dtype.
+    state = layer.state_dict()
+    e, kv = 64, num_kv_heads * 8
+    k_proj = (f64(x) @ f64(state["in_proj_weight"][e:e + kv]).T + f64(state["in_proj_bias"][e:e + kv]))
+    k_proj = k_proj.reshape(2, 30, num_kv_heads, 8).transpose(0, 2, 1, 3)
+    rtol = HALF_TOL[name][0]
+    np.testing.assert_allclose(f64(keys), k_proj, rtol=rtol, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", HALF_NAMES)
+@pytest.mark.parametrize("chunk", [1, 4, 6])
+def test_half_cache_attend_equals_float32_cache_of_same_values(isa, rng, name, chunk):
+    """A 16-bit cache and a float32 cache holding the same (rounded) values give the same attention."""
+    storage = np_dtype(name)
+    kv_len, hk, h, d = 70, 2, 6, 20
+    k = rng.standard_normal((1, hk, kv_len, d)).astype(storage)
+    v = rng.standard_normal((1, hk, kv_len, d)).astype(storage)
+    half = pyattn.KVCache(1, hk, d, 80, dtype=name)
+    full = pyattn.KVCache(1, hk, d, 80, dtype=np.float32)
+    for cache in (half, full):
+        cache.append(k[:, :, :kv_len - chunk], v[:, :, :kv_len - chunk])
+        cache.append(k[:, :, kv_len - chunk:].astype(np.float32), v[:, :, kv_len - chunk:].astype(np.float32))
+    np.testing.assert_array_equal(f64(half.keys()), f64(full.keys()))
+    q = random_array(rng, (1, h, chunk, d), np.float32)
+    got, expected = half.attend(q), full.attend(q)
+    assert got.dtype == expected.dtype == np.float32
+    np.testing.assert_allclose(got, expected, rtol=TOL[np.float32][0], atol=TOL[np.float32][1])
+    ref = reference.scaled_dot_product_attention(f64(q), f64(k), f64(v), is_causal="lower_right", enable_gqa=True)
+    assert_compute_close(got, ref, np.dtype(np.float32))
+
+
+# --- ragged batches --------------------------------------------------------------------------------
+
+
+def padded_chunk(rng, counts, chunk, embed_dim, dtype, left):
+    """x (B, chunk, E): real tokens where num_new says (first or last counts[b]), NaN in the padding."""
+    x = np.full((len(counts), chunk, embed_dim), np.nan, dtype)
+    for b, n in enumerate(counts):
+        sl = slice(chunk - n, chunk) if left else slice(0, n)
+        x[b, sl] = rng.standard_normal((n, embed_dim))
+    return x
+
+
+def real_rows(b, n, chunk, left):
+    return slice(chunk - n, chunk) if left else slice(0, n)
+
+
+@pytest.mark.parametrize("left_padded", [False, True], ids=["right", "left"])
+@pytest.mark.parametrize("name", CACHE_DTYPES)
+def test_ragged_batch_equals_rows_alone(isa, rng, name, left_padded):
+    """Prompts of different lengths in one padded chunk, then decode steps and another ragged chunk:
+    each row's real outputs equal that row decoded alone (its own batch-1 cache)."""
+    np_dtype(name)
+    compute = compute_dtype(name)
+    layer = make_layer(rng, 32, 4, 2, compute)
+    steps = [  # (chunk, num_new per row) or (1, None)
+        (6, [6, 1, 3, 0]),  # chunk > 4: tile path (float32 copies for 16-bit caches)
+        (1, None),
+        (3, [3, 0, 2, 1]),  # chunk <= 4: decode path (direct 16-bit read)
+        (1, None),
+        (1, None),
+        (5, [0, 5, 4, 2]),
+    ]
+    batch = 4
+    cache = pyattn.KVCache(batch, 2, 8, 24, dtype=name)
+    alone = [pyattn.KVCache(1, 2, 8, 24, dtype=name) for _ in range(batch)]
+    lengths = np.zeros(batch, np.int64)
+    for chunk, counts in steps:
+        counts_arr = [chunk] * batch if counts is None else counts
+        x = padded_chunk(rng, counts_arr, chunk, 32, compute, left_padded)
+        num_new = None if counts is None else np.array(counts)
+        out = layer(x, kv_cache=cache, num_new=num_new, left_padded=left_padded)
+        lengths += counts_arr
+        assert cache.lengths.dtype == np.int64
+        assert cache.lengths.tolist() == lengths.tolist()
+        for b, n in enumerate(counts_arr):
+            if n == 0:
+                continue
+            rows = real_rows(b, n, chunk, left_padded)
+            expected = layer(x[b:b + 1, rows], kv_cache=alone[b])
+            assert np.isfinite(out[b, rows]).all()
+            rtol, atol = TOL[compute.type]
+            np.testing.assert_allclose(out[b:b + 1, rows], expected, rtol=rtol, atol=atol)
+    for b in range(batch):
+        assert cache.keys(b).shape == (2, lengths[b], 8)
+        np.testing.assert_array_equal(f64(cache.keys(b)), f64(alone[b].keys(0)))
+        np.testing.assert_array_equal(f64(cache.values(b)), f64(alone[b].values(0)))
+
+
+@pytest.mark.parametrize("left_padded", [False, True], ids=["right", "left"])
+@pytest.mark.parametrize("chunk", [1, 4, 5])
+@pytest.mark.parametrize("name", CACHE_DTYPES)
+def test_long_ragged_cache_attend(isa, rng, name, chunk, left_padded):
+    """KVCache.attend with rows of very different lengths (the longest split into key chunks), a ragged
+    last chunk (NaN in its padding tokens), value_dim != head_dim, GQA, a custom scale, and NaN garbage
+    in the storage past each row's length: each row's real queries against the reference."""
+    storage, compute = np_dtype(name), compute_dtype(name)
+    batch, hk, h, d, dv = 3, 2, 4, 40, 24
+    before = np.array([2995, 100, 7])  # lengths before the last chunk
+    num_new = np.array([chunk, max(chunk - 1, 1), chunk // 2])
+    total = before + num_new
+    cache = pyattn.KVCache(batch, hk, d, 3010, value_dim=dv, dtype=name)
+    k_all = rng.standard_normal((batch, hk, int(total.max()), d)).astype(storage)
+    v_all = rng.standard_normal((batch, hk, int(total.max()), dv)).astype(storage)
+    cache.append(k_all[:, :, :int(before.max())], v_all[:, :, :int(before.max())], num_new=before)
+    # NaN written past every row's end, then trimmed away: the storage keeps the NaNs.
+    cache.append(np.full((batch, hk, 4, d), np.nan), np.full((batch, hk, 4, dv), np.nan))
+    cache.trim(4)
+    assert cache.lengths.tolist() == before.tolist()
+    new_k = np.full((batch, hk, chunk, d), np.nan, storage)
+    new_v = np.full((batch, hk, chunk, dv), np.nan, storage)
+    for b in range(batch):
+        rows = real_rows(b, num_new[b], chunk, left_padded)
+        new_k[b, :, rows] = k_all[b, :, before[b]:total[b]]
+        new_v[b, :, rows] = v_all[b, :, before[b]:total[b]]
+    cache.append(new_k, new_v, num_new=num_new, left_padded=left_padded)
+    assert cache.lengths.tolist() == total.tolist()
+    q = nan_guarded(np.full((batch, h, chunk, d), np.nan, compute))
+    for b in range(batch):
+        rows = real_rows(b, num_new[b], chunk, left_padded)
+        q[b, :, rows] = rng.standard_normal((h, num_new[b], d))
+    got = cache.attend(q, scale=0.3)
+    assert got.shape == (batch, h, chunk, dv) and got.dtype == compute
+    for b in range(batch):
+        if num_new[b] == 0:
+            continue
+        rows = real_rows(b, num_new[b], chunk, left_padded)
+        k_b, v_b = k_all[b, :, :total[b]], v_all[b, :, :total[b]]
+        np.testing.assert_array_equal(f64(cache.keys(b)), f64(k_b))
+        np.testing.assert_array_equal(f64(cache.values(b)), f64(v_b))
+        ref = reference.scaled_dot_product_attention(
+            f64(q[b, :, rows]), f64(k_b), f64(v_b), is_causal="lower_right", enable_gqa=True, scale=0.3)
+        assert_compute_close(got[b, :, rows], ref, compute)
+
+
+@pytest.mark.parametrize("name", CACHE_DTYPES)
+def test_decode_many_query_rows_per_kv_head(isa, rng, name):
+    """Large GQA groups (multi-query with 17 and 24 heads): a kv head's group * q_len query rows are
+    split into several row chunks of the decode kernel, not aligned to heads."""
+    dtype = np_dtype(name)
+    for heads, q_len in ((24, 1), (24, 3), (17, 4)):
+        q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=heads, kv_heads=1, q_len=q_len, kv_len=600, head_dim=24)
+        mask = rng.random((2, heads, q_len, 600)) < 0.7
+        got = sdpa(q, k, v, mask, is_causal="lower_right", enable_gqa=True)
+        expected = reference.scaled_dot_product_attention(f64(q), f64(k), f64(v), mask, is_causal="lower_right",
+                                                          enable_gqa=True)
+        if name in HALF_NAMES:
+            assert_half_close(got, expected, name)
+        else:
+            assert_close(got, expected, dtype.type)
+
+
+# --- KVCache API -----------------------------------------------------------------------------------
+
+
+def kv(rng, batch, heads, chunk, dim, dtype=np.float32):
+    return rng.standard_normal((batch, heads, chunk, dim)).astype(dtype)
+
+
+@pytest.mark.parametrize("name", CACHE_DTYPES)
+def test_cache_attributes_append_views(rng, name):
+    storage = np_dtype(name)
+    cache = pyattn.KVCache(2, 3, 8, 10, value_dim=5, dtype=name)
+    assert (cache.batch, cache.num_kv_heads, cache.head_dim, cache.value_dim, cache.max_len) == (2, 3, 8, 5, 10)
+    assert cache.dtype == storage
+    assert cache.lengths.dtype == np.int64 and cache.lengths.tolist() == [0, 0]
+    assert cache.keys().shape == (2, 3, 0, 8) and cache.values().shape == (2, 3, 0, 5)
+    k1, v1 = kv(rng, 2, 3, 4, 8, np.float64), kv(rng, 2, 3, 4, 5, np.float64)
+    cache.append(k1, v1)
+    k2, v2 = kv(rng, 2, 3, 2, 8, np.float32), kv(rng, 2, 3, 2, 5, np.float32)
+    cache.append(k2, v2)
+    assert cache.lengths.tolist() == [6, 6]
+    keys, values = cache.keys(), cache.values()
+    assert keys.dtype == storage and values.dtype == storage
+    np.testing.assert_array_equal(keys, np.concatenate([k1, k2], axis=2).astype(storage))
+    np.testing.assert_array_equal(values, np.concatenate([v1, v2], axis=2).astype(storage))
+    np.testing.assert_array_equal(cache.keys(1), keys[1])
+    np.testing.assert_array_equal(cache.values(0), values[0])
+    # Views of the storage, not copies.
+    assert not keys.flags.owndata and np.shares_memory(keys, cache.keys(0))
+    assert np.shares_memory(cache.values(), cache.values(1))
+    assert "KVCache" in repr(cache)
+
+
+def test_cache_bfloat16_by_name_and_invalid_dtypes():
+    if ml_dtypes is not None:
+        assert pyattn.KVCache(1, 1, 4, 4, dtype="bfloat16").dtype == np.dtype(ml_dtypes.bfloat16)
+        assert pyattn.KVCache(1, 1, 4, 4, dtype=ml_dtypes.bfloat16).dtype == np.dtype(ml_dtypes.bfloat16)
+    for bad in (np.int32, np.complex64, np.bool_, "int8"):
+        with pytest.raises(TypeError, match="dtype"):
+            pyattn.KVCache(1, 1, 4, 4, dtype=bad)
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(batch=0), "batch"),
+        (dict(batch=True), "batch"),
+        (dict(num_kv_heads=0), "num_kv_heads"),
+        (dict(head_dim=-1), "head_dim"),
+        (dict(max_len=0), "max_len"),
+        (dict(max_len=2.5), "max_len"),
+        (dict(value_dim=0), "value_dim"),
+    ],
+)
+def test_cache_constructor_errors(kwargs, name):
+    args = dict(dict(batch=1, num_kv_heads=2, head_dim=4, max_len=8, value_dim=None), **kwargs)
+    with pytest.raises(ValueError, match=name):
+        pyattn.KVCache(args["batch"], args["num_kv_heads"], args["head_dim"], args["max_len"],
+                       value_dim=args["value_dim"])
+
+
+def snapshot(cache):
+    """Everything observable about a cache, for 'left unchanged' checks."""
+    return (cache.lengths.copy(),) + tuple(f64(cache.keys(b)).copy() for b in range(cache.batch)) + tuple(
+        f64(cache.values(b)).copy() for b in range(cache.batch))
+
+
+def assert_unchanged(cache, before):
+    after = snapshot(cache)
+    assert len(after) == len(before)
+    for a, b in zip(after, before):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("name", CACHE_DTYPES)
+def test_overflow_raises_and_changes_nothing(rng, name):
+    np_dtype(name)
+    compute = compute_dtype(name)
+    cache = pyattn.KVCache(2, 1, 4, 6, dtype=name)
+    cache.append(kv(rng, 2, 1, 3, 4), kv(rng, 2, 1, 3, 4), num_new=np.array([3, 1]))
+    q = random_array(rng, (2, 2, 3, 4), compute)
+    before_out = cache.attend(q)
+    before = snapshot(cache)
+    # Row 0 would reach 7 > 6 (row 1 would fit): nothing at all is appended.
+    with pytest.raises(ValueError, match="max_len"):
+        cache.append(kv(rng, 2, 1, 4, 4), kv(rng, 2, 1, 4, 4))
+    assert_unchanged(cache, before)
+    with pytest.raises(ValueError, match="max_len"):
+        cache.append(kv(rng, 2, 1, 4, 4), kv(rng, 2, 1, 4, 4), num_new=np.array([4, 0]))
+    assert_unchanged(cache, before)
+    # The last append is still the one attend() refers to.
+    np.testing.assert_array_equal(cache.attend(q), before_out)
+    # Filling exactly to max_len works.
+    cache.append(kv(rng, 2, 1, 3, 4), kv(rng, 2, 1, 3, 4), num_new=np.array([3, 3]))
+    assert cache.lengths.tolist() == [6, 4]
+
+
+def test_overflow_through_layer_changes_nothing(rng):
+    layer = make_layer(rng, 16, 2, 1, np.float32)
+    cache = pyattn.KVCache(1, 1, 8, 5, dtype=np.float32)
+    layer(random_array(rng, (1, 4, 16), np.float32), kv_cache=cache)
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match="max_len"):
+        layer(random_array(rng, (1, 2, 16), np.float32), kv_cache=cache)
+    assert_unchanged(cache, before)
+    layer(random_array(rng, (1, 1, 16), np.float32), kv_cache=cache)
+    assert cache.lengths.tolist() == [5]
+
+
+def test_reset_truncate_trim(rng):
+    cache = pyattn.KVCache(3, 2, 4, 16, dtype=np.float32)
+    k, v = kv(rng, 3, 2, 8, 4), kv(rng, 3, 2, 8, 4)
+    cache.append(k, v, num_new=np.array([8, 5, 2]))
+    cache.truncate(4)
+    assert cache.lengths.tolist() == [4, 4, 2]
+    np.testing.assert_array_equal(cache.keys(0), k[0, :, :4])
+    cache.trim(1)
+    assert cache.lengths.tolist() == [3, 3, 1]
+    cache.trim(np.array([0, 2, 5]))  # more than a row holds -> 0
+    assert cache.lengths.tolist() == [3, 1, 0]
+    cache.truncate(np.array([2, 5, 0]))  # never grows a row
+    assert cache.lengths.tolist() == [2, 1, 0]
+    np.testing.assert_array_equal(cache.values(0), v[0, :, :2])
+    assert cache.keys(2).shape == (2, 0, 4)
+    with pytest.raises(ValueError, match="length"):
+        cache.truncate(-1)
+    with pytest.raises(ValueError, match="count"):
+        cache.trim(np.array([1, -1, 0]))
+    assert cache.lengths.tolist() == [2, 1, 0]
+    with pytest.raises(ValueError):  # rows of different lengths: keys() needs a row
+        cache.keys()
+    # Appending after truncation overwrites what was dropped.
+    k2, v2 = kv(rng, 3, 2, 1, 4), kv(rng, 3, 2, 1, 4)
+    cache.append(k2, v2)
+    np.testing.assert_array_equal(cache.keys(1), np.concatenate([k[1, :, :1], k2[1]], axis=1))
+    cache.reset()
+    assert cache.lengths.tolist() == [0, 0, 0]
+    assert cache.keys().shape == (3, 2, 0, 4)
+
+
+def test_reset_and_trim_then_decode_like_fresh(isa, rng):
+    """Decoding after reset() equals a fresh cache; after trimming rejected (speculative) tokens it
+    equals a cache that never saw them."""
+    layer = make_layer(rng, 32, 4, 2, np.float32)
+    x = random_array(rng, (2, 10, 32), np.float32)
+    junk = random_array(rng, (2, 3, 32), np.float32)
+    fresh = pyattn.KVCache(2, 2, 8, 16)
+    expected = run_chunks(layer, x, fresh, [5, 1])
+
+    reused = pyattn.KVCache(2, 2, 8, 16)
+    run_chunks(layer, junk, reused, [3])
+    reused.reset()
+    np.testing.assert_array_equal(run_chunks(layer, x, reused, [5, 1]), expected)
+
+    speculative = pyattn.KVCache(2, 2, 8, 16)
+    first = layer(x[:, :5], kv_cache=speculative)
+    layer(junk, kv_cache=speculative)  # three draft tokens, all rejected
+    speculative.trim(3)
+    rest = run_chunks(layer, x[:, 5:], speculative, [1])
+    np.testing.assert_array_equal(np.concatenate([first, rest], axis=1), expected)
+
+
+def test_append_shape_and_dtype_errors(rng):
+    cache = pyattn.KVCache(2, 2, 4, 8, value_dim=3)
+    good_k, good_v = kv(rng, 2, 2, 1, 4), kv(rng, 2, 2, 1, 3)
+    cases = [
+        (ValueError, "key", kv(rng, 2, 2, 1, 5), good_v),
+        (ValueError, "key", kv(rng, 1, 2, 1, 4), good_v),
+        (ValueError, "key", kv(rng, 2, 1, 1, 4), good_v),
+        (ValueError, "key", good_k[0], good_v),
+        (ValueError, "value", good_k, kv(rng, 2, 2, 1, 4)),
+        (ValueError, "value", good_k, kv(rng, 2, 2, 2, 3)),
+        (TypeError, "key", good_k.astype(np.int32), good_v),
+        (TypeError, "value", good_k, good_v.astype(np.complex64)),
+        (TypeError, "key", good_k.astype(object), good_v),
+    ]
+    for error, name, k, v in cases:
+        with pytest.raises(error, match=name):
+            cache.append(k, v)
+    for bad in (np.array([1]), np.array([1, 2, 0]), np.array([2, 0]), np.array([-1, 0]), np.array([0.5, 1.0])):
+        with pytest.raises(ValueError, match="num_new"):
+            cache.append(good_k, good_v, num_new=bad)
+    assert cache.lengths.tolist() == [0, 0]
+
+
+def test_attend_errors(rng):
+    cache = pyattn.KVCache(2, 2, 4, 8)
+    cache.append(kv(rng, 2, 2, 3, 4), kv(rng, 2, 2, 3, 4))
+    q = kv(rng, 2, 4, 3, 4)
+    cases = [
+        (ValueError, "query", kv(rng, 2, 4, 3, 5)),
+        (ValueError, "query", kv(rng, 1, 4, 3, 4)),
+        (ValueError, "query", kv(rng, 2, 3, 3, 4)),  # 3 heads, not a multiple of 2
+        (ValueError, "query", kv(rng, 2, 4, 2, 4)),  # not the last append's chunk length
+        (ValueError, "query", q[0]),
+        (TypeError, "query", q.astype(np.int64)),
+    ]
+    for error, name, query in cases:
+        with pytest.raises(error, match=name):
+            cache.attend(query)
+    with pytest.raises(ValueError, match="scale"):
+        cache.attend(q, scale=float("inf"))
+    ref = reference.scaled_dot_product_attention(f64(q), f64(cache.keys()), f64(cache.values()),
+                                                 is_causal="lower_right", enable_gqa=True)
+    assert_close(cache.attend(q.astype(np.float64)), ref, np.float32)  # query converted to the compute dtype
+
+
+@pytest.mark.parametrize(
+    "layer_dtype, cache_dtype",
+    [(np.float64, "float32"), (np.float32, "float64"), (np.float64, "float16"), (np.float64, "bfloat16")],
+)
+def test_layer_cache_dtype_mismatch(rng, layer_dtype, cache_dtype):
+    np_dtype(cache_dtype)
+    layer = make_layer(rng, 16, 2, 2, layer_dtype)
+    cache = pyattn.KVCache(1, 2, 8, 4, dtype=cache_dtype)
+    with pytest.raises(TypeError, match="kv_cache"):
+        layer(random_array(rng, (1, 1, 16), layer_dtype), kv_cache=cache)
+    assert cache.lengths.tolist() == [0]
+
+
+def test_layer_cache_argument_errors(rng):
+    layer = make_layer(rng, 16, 2, 2, np.float32)
+    x = random_array(rng, (1, 2, 16), np.float32)
+    cache = pyattn.KVCache(1, 2, 8, 8)
+    for bad_cache in (pyattn.KVCache(1, 1, 8, 8), pyattn.KVCache(1, 2, 4, 8), pyattn.KVCache(1, 2, 8, 8, value_dim=4)):
+        with pytest.raises(ValueError, match="kv_cache"):
+            layer(x, kv_cache=bad_cache)
+    with pytest.raises(TypeError, match="kv_cache"):
+        layer(x, kv_cache={"k": None})
+    with pytest.raises(ValueError, match="query"):
+        layer(random_array(rng, (2, 2, 16), np.float32), kv_cache=cache)  # batch 2, cache batch 1
+    with pytest.raises(ValueError, match="query"):
+        layer(random_array(rng, (1, 2, 8), np.float32), kv_cache=cache)  # wrong embed_dim
+    with pytest.raises(TypeError, match="query"):
+        layer(x.astype(np.float64), kv_cache=cache)
+    with pytest.raises(ValueError):
+        layer(x, kv_cache=cache, attn_mask=np.ones((2, 2), bool))
+    with pytest.raises(ValueError):
+        layer(x, kv_cache=cache, key_padding_mask=np.zeros((1, 2), bool))
+    with pytest.raises(ValueError):
+        layer(x, x, x, kv_cache=cache)
+    with pytest.raises(ValueError, match="need_weights"):
+        layer(x, kv_cache=cache, need_weights=True)
+    with pytest.raises(ValueError, match="num_new"):
+        layer(x, kv_cache=cache, num_new=np.array([3]))
+    assert cache.lengths.tolist() == [0]
+
+
+# --- scaled_dot_product_attention with float16 / bfloat16 inputs --------------------------------------
+
+HALF_CASES = {
+    "plain": dict(),
+    "bool_mask": dict(mask="bool"),
+    "float_mask": dict(mask="float"),
+    "lower_right_gqa": dict(is_causal="lower_right", gqa=True),
+    "upper_left_mask_gqa": dict(is_causal=True, mask="bool", gqa=True),
+}
+
+
+@pytest.mark.parametrize("case", list(HALF_CASES))
+@pytest.mark.parametrize("q_len", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("name", HALF_NAMES)
+def test_half_sdpa_matches_reference(isa, rng, name, q_len, case):
+    """q_len <= 4 reads 16-bit K/V directly (decode kernel), q_len > 4 converts them to float32 first;
+    both against the float64 reference of the (already rounded) inputs. Inputs are strided views cut
+    from NaN-filled parents; head_dim 24 leaves a conversion tail on every ISA."""
+    dtype = np_dtype(name)
+    opts = HALF_CASES[case]
+    kv_heads = 2 if opts.get("gqa") else 4
+    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=4, kv_heads=kv_heads, q_len=q_len, kv_len=37, head_dim=24,
+                       value_dim=19)
+    mask = None
+    if opts.get("mask"):
+        mask = random_mask(rng, (2, 1, q_len, 37), opts["mask"], dtype)
+        mask[..., 0] = True if mask.dtype == np.bool_ else 0.0  # key 0 allowed: no fully masked row
+        mask = nan_guarded(mask)
+    kwargs = dict(is_causal=opts.get("is_causal", False), enable_gqa=bool(opts.get("gqa")))
+    got = sdpa(q, k, v, mask, **kwargs)
+    ref_mask = None if mask is None else (mask if mask.dtype == np.bool_ else f64(mask))
+    expected = reference.scaled_dot_product_attention(f64(q), f64(k), f64(v), ref_mask, **kwargs)
+    assert got.shape == expected.shape
+    assert_half_close(got, expected, name)
+
+
+@pytest.mark.parametrize("head_dim", [1, 7, 8, 16, 17, 33, 64, 128])
+@pytest.mark.parametrize("name", HALF_NAMES)
+def test_half_sdpa_head_dims(isa, rng, name, head_dim):
+    dtype = np_dtype(name)
+    for q_len in (1, 6):
+        q, k, v = make_qkv(rng, dtype, batch=(1,), q_heads=2, kv_len=45, q_len=q_len, head_dim=head_dim)
+        got = sdpa(q, k, v, is_causal="lower_right")
+        expected = reference.scaled_dot_product_attention(f64(q), f64(k), f64(v), is_causal="lower_right")
+        assert_half_close(got, expected, name)
+
+
+@pytest.mark.parametrize("q_len", [2, 7])
+@pytest.mark.parametrize("name", HALF_NAMES)
+def test_half_sdpa_out_weights_and_dtype_errors(rng, name, q_len):
+    dtype = np_dtype(name)
+    q, k, v = make_qkv(rng, dtype, q_heads=3, q_len=q_len, kv_len=11, head_dim=8, guard=False)
+    expected = reference.scaled_dot_product_attention(f64(q), f64(k), f64(v), is_causal="lower_right",
+                                                      return_weights=True)
+    plain = sdpa(q, k, v, is_causal="lower_right")
+    out = np.full((3, q_len, 8), np.nan, dtype)
+    got = sdpa(q, k, v, is_causal="lower_right", out=out)
+    assert got is out
+    np.testing.assert_array_equal(f64(out), f64(plain))
+    assert_half_close(out, expected[0], name)
+    got, weights = sdpa(q, k, v, is_causal="lower_right", return_weights=True)
+    assert weights.dtype == dtype and weights.shape == (3, q_len, 11)
+    assert_half_close(got, expected[0], name)
+    assert_half_close(weights, expected[1], name)
+    # 2-D inputs: one head.
+    assert_half_close(sdpa(q[0], k[0], v[0]), reference.scaled_dot_product_attention(f64(q[0]), f64(k[0]), f64(v[0])),
+                      name)
+
+    with pytest.raises(TypeError, match="out"):
+        sdpa(q, k, v, out=np.empty((3, q_len, 8), np.float32))
+    with pytest.raises(ValueError, match="out"):
+        sdpa(q, k, v, out=np.empty((3, q_len, 9), dtype))
+    with pytest.raises(TypeError):
+        sdpa(q, k.astype(np.float32), v)
+    other = np.float16 if name == "bfloat16" else (ml_dtypes.bfloat16 if ml_dtypes is not None else np.float32)
+    with pytest.raises(TypeError):
+        sdpa(q, k, v.astype(other))
+    with pytest.raises(TypeError, match="attn_mask"):
+        sdpa(q, k, v, np.zeros((q_len, 11), np.float32))
+    with pytest.raises(TypeError, match="attn_mask"):
+        sdpa(q, k, v, np.zeros((q_len, 11), np.int8))
+
+
+# --- the decode path's key-range split, forbidden NaN keys, threads --------------------------------
+
+
+def long_kv_inputs(rng, dtype, q_len, kv_len=3000, heads=4, kv_heads=2, head_dim=32):
+    """Inputs for the split decode path: 2 (batch, kv head) tasks and 3000 keys, i.e. 12 key chunks
+    merged per task. The bool mask (True = attend) forbids some keys for every query (their K and V
+    rows are NaN), a run of whole key chunks (300:1400), random other (query, key) pairs, and every key
+    of head 1 (whose rows must be zeros). Returns q, k, v, mask and NaN-free float64 K/V for the
+    reference (zeros at the NaN rows, which no query may see)."""
+    q, k, v = make_qkv(rng, dtype, batch=(1,), q_heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
+                       head_dim=head_dim, guard=False)
+    key_ok = rng.random(kv_len) < 0.8
+    key_ok[300:1400] = False
+    mask = key_ok & (rng.random((1, heads, q_len, kv_len)) < 0.9)
+    mask[:, 1] = False
+    clean_k, clean_v = f64(k), f64(v)
+    for x, clean in ((k, clean_k), (v, clean_v)):
+        x[..., ~key_ok, :] = np.nan
+        clean[..., ~key_ok, :] = 0.0
+    return q, k, v, mask, clean_k, clean_v
+
+
+@pytest.mark.parametrize("q_len", [1, 2, 3, 4])
+@pytest.mark.parametrize("name", CACHE_DTYPES)
+def test_decode_long_kv_split_and_nan_forbidden_keys(isa, rng, name, q_len):
+    dtype = np_dtype(name)
+    q, k, v, mask, clean_k, clean_v = long_kv_inputs(rng, dtype, q_len)
+    got = sdpa(q, k, v, mask, is_causal="lower_right", enable_gqa=True)
+    assert got.dtype == dtype
+    assert np.isfinite(f64(got)).all()
+    np.testing.assert_array_equal(f64(got[:, 1]), 0.0)
+    expected = reference.scaled_dot_product_attention(f64(q), clean_k, clean_v, mask, is_causal="lower_right",
+                                                      enable_gqa=True)
+    if name in HALF_NAMES:
+        assert_half_close(got, expected, name)
+    else:
+        assert_close(got, expected, dtype.type)
+
+
+@pytest.mark.parametrize("name", CACHE_DTYPES)
+def test_decode_long_kv_float_mask(isa, rng, name):
+    """A float mask (-inf forbids) on the split path, with a 16-bit mask for 16-bit inputs."""
+    dtype = np_dtype(name)
+    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=2, kv_heads=1, q_len=1, kv_len=3000, head_dim=16)
+    mask = random_mask(rng, (2, 1, 1, 3000), "float", dtype, p_allowed=0.5)
+    got = sdpa(q, k, v, mask, enable_gqa=True)
+    expected = reference.scaled_dot_product_attention(f64(q), f64(k), f64(v), f64(mask), enable_gqa=True)
+    if name in HALF_NAMES:
+        assert_half_close(got, expected, name)
+    else:
+        assert_close(got, expected, dtype.type)
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+@pytest.mark.parametrize("name", CACHE_DTYPES)
+def test_decode_path_bitwise_across_thread_counts(isa, rng, name, q_len):
+    dtype = np_dtype(name)
+    q, k, v, mask, _, _ = long_kv_inputs(rng, dtype, q_len)
+    results = [sdpa(q, k, v, mask, is_causal="lower_right", enable_gqa=True, num_threads=n) for n in (1, 2, 3)]
+    for r in results[1:]:
+        np.testing.assert_array_equal(f64(r), f64(results[0]))
+    q2, k2, v2 = make_qkv(rng, dtype, batch=(2,), q_heads=8, kv_heads=8, q_len=q_len, kv_len=700, head_dim=24)
+    results = [sdpa(q2, k2, v2, num_threads=n) for n in (1, 2, 3)]
+    for r in results[1:]:
+        np.testing.assert_array_equal(f64(r), f64(results[0]))
+
+
+@pytest.mark.parametrize("name", CACHE_DTYPES)
+def test_cache_attend_and_layer_bitwise_across_thread_counts(isa, rng, name):
+    np_dtype(name)
+    compute = compute_dtype(name)
+    cache = pyattn.KVCache(2, 2, 16, 2100, dtype=name)
+    cache.append(kv(rng, 2, 2, 2000, 16), kv(rng, 2, 2, 2000, 16), num_new=np.array([2000, 900]))
+    q = random_array(rng, (2, 4, 1, 16), compute)
+    cache.append(kv(rng, 2, 2, 1, 16), kv(rng, 2, 2, 1, 16))
+    results = [cache.attend(q, num_threads=n) for n in (1, 2, 3)]
+    for r in results[1:]:
+        np.testing.assert_array_equal(r, results[0])
+
+    layer = make_layer(rng, 32, 4, 2, compute)
+    x = random_array(rng, (2, 12, 32), compute)
+    outs = []
+    for n in (1, 2, 3):
+        c = pyattn.KVCache(2, 2, 8, 12, dtype=name)
+        outs.append(run_chunks(layer, x, c, [5, 1, 3], num_threads=n))
+    for r in outs[1:]:
+        np.testing.assert_array_equal(r, outs[0])
+
+
+@pytest.mark.parametrize("q_len", [1, 4, 6])
+@pytest.mark.parametrize("name", HALF_NAMES)
+def test_half_sdpa_layouts_and_broadcast(isa, rng, name, q_len):
+    """16-bit K/V read through strides: (B, S, H, E) views, and K/V broadcast over the batch (stride 0)."""
+    dtype = np_dtype(name)
+    q, k, v = make_qkv(rng, dtype, batch=(3,), q_heads=4, kv_heads=2, q_len=q_len, kv_len=50, head_dim=16,
+                       layout="bshd")
+    expected = reference.scaled_dot_product_attention(f64(q), f64(k), f64(v), enable_gqa=True)
+    assert_half_close(sdpa(q, k, v, enable_gqa=True), expected, name)
+    k1, v1 = k[:1], v[:1]
+    expected = reference.scaled_dot_product_attention(f64(q), f64(k1), f64(v1), enable_gqa=True)
+    assert_half_close(sdpa(q, k1, v1, enable_gqa=True), expected, name)
+    assert_half_close(sdpa(q, np.broadcast_to(k1, k.shape), np.broadcast_to(v1, v.shape), enable_gqa=True),
+                      expected, name)
+
+
+@pytest.mark.parametrize("name", HALF_NAMES)
+def test_half_sdpa_edges(rng, name):
+    """More queries than keys with lower-right alignment (early rows see nothing: zeros), and
+    zero-size dimensions, with 16-bit inputs on both paths."""
+    dtype = np_dtype(name)
+    for q_len in (4, 7):
+        q, k, v = make_qkv(rng, dtype, q_heads=2, q_len=q_len, kv_len=2, head_dim=8)
+        got = sdpa(q, k, v, is_causal="lower_right")
+        expected = reference.scaled_dot_product_attention(f64(q), f64(k), f64(v), is_causal="lower_right")
+        assert_half_close(got, expected, name)
+        np.testing.assert_array_equal(f64(got[:, : q_len - 2]), 0.0)
+    for q_len, kv_len, head_dim, value_dim in ((0, 5, 8, 8), (3, 0, 8, 8), (3, 5, 8, 0), (2, 5, 0, 4)):
+        q, k, v = make_qkv(rng, dtype, q_heads=2, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
+                           value_dim=value_dim, guard=False)
+        got = sdpa(q, k, v)
+        assert got.dtype == dtype and got.shape == (2, q_len, value_dim)
+        expected = reference.scaled_dot_product_attention(f64(q), f64(k), f64(v))
+        assert_half_close(got, expected, name)

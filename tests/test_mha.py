@@ -1,0 +1,892 @@
+# SPDX-License-Identifier: MIT
+"""Multi-head attention: pyattn.mha and pyattn.MultiHeadAttention against pyattn.reference.mha (every
+ISA, both dtypes) and torch.nn.MultiheadAttention (batch_first=True, eval), grouped-query attention,
+the error policy, and the packed GEMM behind the projections (pyattn._core.pack_weights/linear).
+
+Inputs and weights are views cut from NaN-filled parents (conftest.nan_guarded) unless a test says
+otherwise. Masks follow PyTorch's MultiheadAttention convention here: a bool attn_mask or
+key_padding_mask is True where attending is NOT allowed (the opposite of scaled_dot_product_attention).
+Torch comparisons keep at least one allowed key per row: torch returns NaN for fully masked rows, pyattn
+a zero context (its output is then out_proj_bias).
+"""
+
+import copy
+import itertools
+
+import numpy as np
+import pytest
+from conftest import TOL, assert_close, nan_guarded, random_array, random_mask
+
+import pyattn
+from pyattn import reference
+
+WEIGHT_NAMES = (
+    "in_proj_weight",
+    "in_proj_bias",
+    "q_proj_weight",
+    "k_proj_weight",
+    "v_proj_weight",
+    "q_proj_bias",
+    "k_proj_bias",
+    "v_proj_bias",
+    "out_proj_weight",
+    "out_proj_bias",
+)
+
+
+def mha(*args, **kwargs):
+    """pyattn.mha, looked up at call time (so this module imports while mha is being written)."""
+    return pyattn.mha(*args, **kwargs)
+
+
+def scaled_normal(rng, shape, dtype, fan_in, guard=True):
+    """Normal values / sqrt(fan_in), so projections of unit-variance inputs stay O(1)."""
+    values = (rng.standard_normal(shape) / np.sqrt(max(fan_in, 1))).astype(dtype)
+    return nan_guarded(values) if guard else values
+
+
+def random_weights(
+    rng,
+    dtype,
+    embed_dim,
+    num_heads,
+    *,
+    kdim=None,
+    vdim=None,
+    bias=True,
+    num_kv_heads=None,
+    packed=None,
+    bias_style="separate",
+    guard=True,
+):
+    """mha() weight keywords in PyTorch layouts, with random (non-zero) biases.
+
+    packed=None packs Q/K/V into in_proj_weight when kdim == vdim == embed_dim. With separate
+    weights, bias_style="separate" gives q/k/v_proj_bias and "in_proj" one in_proj_bias (as torch does).
+    """
+    kdim = embed_dim if kdim is None else kdim
+    vdim = embed_dim if vdim is None else vdim
+    kv_dim = (num_heads if num_kv_heads is None else num_kv_heads) * (embed_dim // num_heads)
+    packed = (kdim == vdim == embed_dim) if packed is None else packed
+    w = {}
+    if packed:
+        w["in_proj_weight"] = scaled_normal(rng, (embed_dim + 2 * kv_dim, embed_dim), dtype, embed_dim, guard)
+    else:
+        w["q_proj_weight"] = scaled_normal(rng, (embed_dim, embed_dim), dtype, embed_dim, guard)
+        w["k_proj_weight"] = scaled_normal(rng, (kv_dim, kdim), dtype, kdim, guard)
+        w["v_proj_weight"] = scaled_normal(rng, (kv_dim, vdim), dtype, vdim, guard)
+    w["out_proj_weight"] = scaled_normal(rng, (embed_dim, embed_dim), dtype, embed_dim, guard)
+    if bias:
+        if packed or bias_style == "in_proj":
+            w["in_proj_bias"] = random_array(rng, (embed_dim + 2 * kv_dim,), dtype, guard)
+        else:
+            w["q_proj_bias"] = random_array(rng, (embed_dim,), dtype, guard)
+            w["k_proj_bias"] = random_array(rng, (kv_dim,), dtype, guard)
+            w["v_proj_bias"] = random_array(rng, (kv_dim,), dtype, guard)
+        w["out_proj_bias"] = random_array(rng, (embed_dim,), dtype, guard)
+    return w
+
+
+def make_inputs(rng, dtype, batch, q_len, kv_len, embed_dim, kdim=None, vdim=None):
+    """query (B, L, E), key (B, S, kdim), value (B, S, vdim); batch=None drops the batch axis."""
+    lead = () if batch is None else (batch,)
+    query = random_array(rng, lead + (q_len, embed_dim), dtype)
+    key = random_array(rng, lead + (kv_len, embed_dim if kdim is None else kdim), dtype)
+    value = random_array(rng, lead + (kv_len, embed_dim if vdim is None else vdim), dtype)
+    return query, key, value
+
+
+def torch_style_mask(rng, shape, kind, dtype, p_forbidden=0.3, keep_first=True):
+    """A PyTorch-MultiheadAttention mask: bool True = NOT allowed; float = random offsets, -inf where
+    forbidden. keep_first=True always allows key 0, so no row is fully masked."""
+    mask = random_mask(rng, shape, kind, dtype, p_allowed=1 - p_forbidden)  # bool: True = attend
+    if kind == "bool":
+        mask = ~mask
+        if keep_first:
+            mask[..., 0] = False
+    elif keep_first:
+        mask[..., 0] = 0.0
+    return mask
+
+
+def causal_forbidden(q_len, kv_len, offset=0):
+    """Bool (L, S), True = NOT allowed: query i may attend keys j <= i + offset."""
+    return np.arange(kv_len)[None, :] > np.arange(q_len)[:, None] + offset
+
+
+def assert_same_result(got, expected, dtype):
+    """Compare mha results (out or (out, weights)) with the tolerance table."""
+    if isinstance(expected, tuple):
+        assert isinstance(got, tuple) and len(got) == 2
+        assert got[0].shape == expected[0].shape and got[1].shape == expected[1].shape
+        assert_close(got[0], expected[0], dtype)
+        assert_close(got[1], expected[1], dtype)
+    else:
+        assert isinstance(got, np.ndarray) and got.shape == expected.shape
+        assert_close(got, expected, dtype)
+
+
+def check_mha(query, key=None, value=None, **kwargs):
+    """Run pyattn.mha and reference.mha with the same arguments, compare, return pyattn's result."""
+    got = mha(query, key, value, **kwargs)
+    assert_same_result(got, reference.mha(query, key, value, **kwargs), query.dtype.type)
+    return got
+
+
+# --- parity with the reference, every ISA -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "embed_dim, num_heads, batch, q_len, kv_len",
+    [
+        (8, 8, 2, 7, 7),  # head_dim 1
+        (8, 1, 1, 1, 1),
+        (48, 4, 3, 17, 17),
+        (64, 1, 2, 9, 33),
+        (96, 4, 1, 65, 65),
+        (96, 8, 2, 1, 129),
+        (40, 5, 2, 33, 3),
+        (256, 4, 1, 20, 20),  # head_dim 64
+        (384, 12, 2, 67, 67),  # MiniLM-sized layer
+        (768, 12, 1, 130, 130),  # BERT-base-sized layer
+    ],
+)
+def test_shapes_match_reference(isa, dtype, rng, embed_dim, num_heads, batch, q_len, kv_len):
+    query, key, value = make_inputs(rng, dtype, batch, q_len, kv_len, embed_dim)
+    if q_len == kv_len:
+        key = value = query  # self-attention
+    out = check_mha(query, key, value, num_heads=num_heads, **random_weights(rng, dtype, embed_dim, num_heads))
+    assert out.shape == (batch, q_len, embed_dim)
+
+
+# Each case: weight options (random_weights keywords), mha keywords, and mask kinds to build.
+OPTION_CASES = {
+    "self": dict(),
+    "cross_kdim_vdim": dict(weights=dict(kdim=12, vdim=20)),
+    "cross_same_dim_separate": dict(weights=dict(packed=False)),
+    "separate_in_proj_bias": dict(weights=dict(kdim=12, vdim=20, bias_style="in_proj")),
+    "no_bias": dict(weights=dict(bias=False)),
+    "no_bias_separate": dict(weights=dict(kdim=12, vdim=20, bias=False)),
+    "attn_mask_2d_bool": dict(attn_mask=("2d", "bool")),
+    "attn_mask_2d_float": dict(attn_mask=("2d", "float")),
+    "attn_mask_3d_bool": dict(attn_mask=("3d", "bool")),
+    "attn_mask_3d_float": dict(attn_mask=("3d", "float")),
+    "key_padding_bool": dict(key_padding_mask="bool"),
+    "key_padding_float": dict(key_padding_mask="float"),
+    "both_masks_bool": dict(attn_mask=("3d", "bool"), key_padding_mask="bool"),
+    "both_masks_float": dict(attn_mask=("2d", "float"), key_padding_mask="float"),
+    "masks_mixed_kinds": dict(attn_mask=("2d", "bool"), key_padding_mask="float"),
+    "causal": dict(call=dict(is_causal=True)),
+    "causal_upper_left": dict(call=dict(is_causal="upper_left")),
+    "causal_lower_right": dict(call=dict(is_causal="lower_right")),
+    "causal_and_masks": dict(attn_mask=("3d", "float"), key_padding_mask="bool", call=dict(is_causal=True)),
+    "weights_averaged": dict(call=dict(need_weights=True)),
+    "weights_per_head": dict(call=dict(need_weights=True, average_attn_weights=False)),
+    "weights_masked_causal": dict(
+        attn_mask=("2d", "bool"), key_padding_mask="bool", call=dict(need_weights=True, is_causal="lower_right")
+    ),
+    "gqa_2": dict(weights=dict(num_kv_heads=2), call=dict(num_kv_heads=2, need_weights=True)),
+    "mqa_cross": dict(
+        weights=dict(kdim=12, vdim=20, num_kv_heads=1), key_padding_mask="bool", call=dict(num_kv_heads=1)
+    ),
+    "threads_1": dict(call=dict(num_threads=1)),
+    "threads_3": dict(attn_mask=("2d", "bool"), call=dict(num_threads=3)),
+}
+
+
+def case_options(rng, dtype, case, batch, num_heads, q_len, kv_len):
+    """The masks and call keywords (not the weights) of one OPTION_CASES entry; batch None = unbatched."""
+    spec = OPTION_CASES[case]
+    options = {}
+    if "attn_mask" in spec:
+        rank, kind = spec["attn_mask"]
+        heads = num_heads if batch is None else batch * num_heads
+        shape = (q_len, kv_len) if rank == "2d" else (heads, q_len, kv_len)
+        options["attn_mask"] = torch_style_mask(rng, shape, kind, dtype)
+    if "key_padding_mask" in spec:
+        shape = (kv_len,) if batch is None else (batch, kv_len)
+        options["key_padding_mask"] = torch_style_mask(rng, shape, spec["key_padding_mask"], dtype)
+    options.update(spec.get("call", {}))
+    return options
+
+
+def build_case(rng, dtype, case, batched, embed_dim=32, num_heads=4, q_len=9, kv_len=13):
+    """(query, key, value, mha keywords including weights) for one OPTION_CASES entry."""
+    weights = OPTION_CASES[case].get("weights", {})
+    batch = 3 if batched else None
+    query, key, value = make_inputs(
+        rng, dtype, batch, q_len, kv_len, embed_dim, weights.get("kdim"), weights.get("vdim")
+    )
+    kwargs = dict(num_heads=num_heads, **random_weights(rng, dtype, embed_dim, num_heads, **weights))
+    kwargs.update(case_options(rng, dtype, case, batch, num_heads, q_len, kv_len))
+    return query, key, value, kwargs
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "unbatched"])
+@pytest.mark.parametrize("case", list(OPTION_CASES))
+def test_options_match_reference(isa, dtype, rng, case, batched):
+    query, key, value, kwargs = build_case(rng, dtype, case, batched)
+    result = check_mha(query, key, value, **kwargs)
+    out = result[0] if isinstance(result, tuple) else result
+    assert out.shape == query.shape
+
+
+def test_key_and_value_default_to_query(dtype, rng):
+    query, _, _ = make_inputs(rng, dtype, 2, 11, 11, 24)
+    weights = random_weights(rng, dtype, 24, 3)
+    got = mha(query, num_heads=3, **weights)
+    assert_close(got, reference.mha(query, query, query, num_heads=3, **weights), dtype)
+    np.testing.assert_array_equal(got, mha(query, query, query, num_heads=3, **weights))
+
+
+def test_strided_inputs_and_weights(isa, dtype, rng):
+    # (L, B, E) storage viewed as (B, L, E), weights transposed twice: only last axes are contiguous.
+    query = np.swapaxes(random_array(rng, (9, 2, 32), dtype), 0, 1)
+    key = np.swapaxes(random_array(rng, (13, 2, 12), dtype), 0, 1)
+    value = np.swapaxes(random_array(rng, (13, 2, 20), dtype), 0, 1)
+    weights = random_weights(rng, dtype, 32, 4, kdim=12, vdim=20)
+    weights["k_proj_weight"] = nan_guarded(weights["k_proj_weight"], pad=3)
+    mask = np.asfortranarray(torch_style_mask(rng, (9, 13), "float", dtype))
+    check_mha(query, key, value, num_heads=4, attn_mask=mask, need_weights=True, **weights)
+
+
+def test_fortran_order_weights(isa, dtype, rng):
+    # Weights whose last axis is not contiguous (e.g. a transposed (in, out) array) are accepted.
+    query, key, value = make_inputs(rng, dtype, 2, 9, 13, 32, kdim=12, vdim=20)
+    weights = random_weights(rng, dtype, 32, 4, kdim=12, vdim=20)
+    weights["k_proj_weight"] = np.asfortranarray(weights["k_proj_weight"])
+    weights["out_proj_weight"] = np.asfortranarray(weights["out_proj_weight"])
+    check_mha(query, key, value, num_heads=4, **weights)
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "unbatched"])
+def test_fully_masked_rows_give_out_proj_bias(isa, dtype, rng, batched):
+    # Batch 0: every key is padding (NaN/Inf in its input rows must not leak). Lower-right causal
+    # with L > S also leaves the first L - S query rows of every batch without a key.
+    embed_dim, num_heads, q_len, kv_len = 16, 2, 7, 4
+    batch = 2 if batched else None
+    query, key, value = make_inputs(rng, dtype, batch, q_len, kv_len, embed_dim)
+    key, value = np.array(key), np.array(value)
+    padding = np.zeros((2, kv_len), dtype=bool)
+    padding[0] = True
+    padding[1, -1] = True
+    key[..., -1, 3], value[..., -1, 5] = np.nan, np.inf
+    if batched:
+        key[0, 0, 0] = np.inf
+    else:
+        padding = padding[1]
+    weights = random_weights(rng, dtype, embed_dim, num_heads)
+    bias = weights["out_proj_bias"]
+
+    options = dict(num_heads=num_heads, need_weights=True, **weights)
+    out, attn = check_mha(query, key, value, key_padding_mask=padding, **options)
+    assert np.isfinite(out).all()
+    if batched:
+        np.testing.assert_array_equal(out[0], np.broadcast_to(bias, out[0].shape))
+        assert np.all(attn[0] == 0)
+
+    # Lower-right causal with L > S (finite keys this time).
+    key, value = query[..., :kv_len, :], query[..., -kv_len:, :]
+    out, attn = check_mha(query, key, value, is_causal="lower_right", **options)
+    no_key = q_len - kv_len  # query rows 0 .. L-S-1 see no key
+    np.testing.assert_array_equal(out[..., :no_key, :], np.broadcast_to(bias, out[..., :no_key, :].shape))
+    assert np.all(attn[..., :no_key, :] == 0)
+
+
+def test_padded_key_values_never_leak(isa, dtype, rng):
+    # Garbage (NaN, Inf) in padded key/value rows: the projections make those K/V rows NaN/Inf,
+    # and attention must exclude them rather than multiply them by a zero weight.
+    query, key, value = make_inputs(rng, dtype, 2, 5, 9, 16, kdim=6, vdim=10)
+    key, value = np.array(key), np.array(value)
+    padding = np.zeros((2, 9), dtype=bool)
+    padding[0, 4:], padding[1, :2] = True, True
+    key[0, 5], value[0, 7], key[1, 0], value[1, 1] = np.nan, np.inf, -np.inf, np.nan
+    weights = random_weights(rng, dtype, 16, 4, kdim=6, vdim=10)
+    out = check_mha(query, key, value, num_heads=4, key_padding_mask=padding, **weights)
+    assert np.isfinite(out).all()
+
+
+def test_inputs_not_modified(isa, dtype, rng):
+    query, key, value, kwargs = build_case(rng, dtype, "separate_in_proj_bias", batched=True)
+    kwargs["attn_mask"] = torch_style_mask(rng, (9, 13), "float", dtype)
+    kwargs["key_padding_mask"] = torch_style_mask(rng, (3, 13), "bool", dtype)
+    arrays = dict(query=query, key=key, value=value, **{n: a for n, a in kwargs.items() if isinstance(a, np.ndarray)})
+    before = {n: a.copy() for n, a in arrays.items()}
+    mha(query, key, value, need_weights=True, **kwargs)
+    for name, array in arrays.items():
+        np.testing.assert_array_equal(array, before[name], err_msg=name)
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_bitwise_identical_for_any_thread_count(isa, dtype, rng, need_weights):
+    query, key, value, kwargs = build_case(rng, dtype, "both_masks_bool", batched=True, q_len=67, kv_len=131)
+    results = []
+    for n in (1, 2, 3):
+        result = mha(query, key, value, need_weights=need_weights, num_threads=n, **kwargs)
+        results.append(result if need_weights else (result,))
+    for result in results[1:]:
+        for first, other in zip(results[0], result):
+            np.testing.assert_array_equal(first, other)
+
+
+# --- grouped-query attention ----------------------------------------------------------------------
+
+
+def expand_kv_heads(array, num_kv_heads, num_heads):
+    """Repeat each kv head's rows (of a K/V weight or bias) so every query head has its own copy."""
+    head_dim = array.shape[0] // num_kv_heads
+    grouped = np.asarray(array).reshape(num_kv_heads, head_dim, *array.shape[1:])
+    return np.repeat(grouped, num_heads // num_kv_heads, axis=0).reshape(num_heads * head_dim, *array.shape[1:])
+
+
+def expand_gqa_weights(weights, embed_dim, num_kv_heads, num_heads):
+    """The same layer written with num_kv_heads = num_heads: K/V rows repeated per query head."""
+    kv_dim = num_kv_heads * (embed_dim // num_heads)
+    expanded = dict(weights)
+    for name in ("in_proj_weight", "in_proj_bias"):
+        if name in weights:
+            a = weights[name]
+            q_part, k_part, v_part = a[:embed_dim], a[embed_dim : embed_dim + kv_dim], a[embed_dim + kv_dim :]
+            k_part, v_part = (expand_kv_heads(p, num_kv_heads, num_heads) for p in (k_part, v_part))
+            expanded[name] = np.concatenate([q_part, k_part, v_part])
+    for name in ("k_proj_weight", "v_proj_weight", "k_proj_bias", "v_proj_bias"):
+        if name in weights:
+            expanded[name] = expand_kv_heads(weights[name], num_kv_heads, num_heads)
+    return expanded
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2])
+@pytest.mark.parametrize("layout", ["in_proj", "separate", "cross"])
+def test_gqa_matches_expanded_heads(isa, dtype, rng, num_kv_heads, layout):
+    embed_dim, num_heads = 32, 4
+    dims = dict(kdim=12, vdim=20) if layout == "cross" else {}
+    query, key, value = make_inputs(rng, dtype, 2, 9, 13, embed_dim, **dims)
+    weights = random_weights(
+        rng, dtype, embed_dim, num_heads, num_kv_heads=num_kv_heads, packed=layout == "in_proj", **dims
+    )
+    expanded = expand_gqa_weights(weights, embed_dim, num_kv_heads, num_heads)
+    options = dict(
+        attn_mask=torch_style_mask(rng, (9, 13), "bool", dtype),
+        key_padding_mask=torch_style_mask(rng, (2, 13), "float", dtype),
+        need_weights=True,
+        average_attn_weights=False,
+    )
+    got = mha(query, key, value, num_heads=num_heads, num_kv_heads=num_kv_heads, **weights, **options)
+    full = mha(query, key, value, num_heads=num_heads, **expanded, **options)
+    expected = reference.mha(query, key, value, num_heads=num_heads, **expanded, **options)
+    assert_same_result(got, expected, dtype)
+    assert_same_result(full, expected, dtype)
+    # The reference's own GQA path agrees with its expanded form.
+    np.testing.assert_allclose(
+        reference.mha(query, key, value, num_heads=num_heads, num_kv_heads=num_kv_heads, **weights, **options)[0],
+        expected[0],
+        rtol=1e-13,
+        atol=1e-13,
+    )
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 4])
+def test_layer_gqa_shapes_and_call(isa, dtype, rng, num_kv_heads):
+    layer = pyattn.MultiHeadAttention(32, 4, num_kv_heads=num_kv_heads, dtype=dtype, seed=3)
+    kv_dim = num_kv_heads * 8
+    assert layer.in_proj_weight.shape == (32 + 2 * kv_dim, 32)
+    assert layer.in_proj_bias.shape == (32 + 2 * kv_dim,)
+    query, _, _ = make_inputs(rng, dtype, 2, 9, 9, 32)
+    got = layer(query, need_weights=True)
+    expected = reference.mha(query, num_heads=4, num_kv_heads=num_kv_heads, need_weights=True, **layer_weights(layer))
+    assert_same_result(got, expected, dtype)
+
+
+# --- pyattn.MultiHeadAttention -------------------------------------------------------------------
+
+
+def layer_weights(layer):
+    """mha() weight keywords from a MultiHeadAttention's attributes (those that are not None)."""
+    return {n: getattr(layer, n) for n in WEIGHT_NAMES if getattr(layer, n, None) is not None}
+
+
+@pytest.mark.parametrize(
+    "dims, bias",
+    [({}, True), ({}, False), (dict(kdim=12, vdim=20), True), (dict(kdim=12, vdim=20), False)],
+    ids=["packed", "packed_no_bias", "separate", "separate_no_bias"],
+)
+def test_layer_attributes(dtype, dims, bias):
+    layer = pyattn.MultiHeadAttention(32, 4, bias=bias, dtype=dtype, seed=7, **dims)
+    expected = {"out_proj_weight": (32, 32)}
+    if dims:
+        expected.update(q_proj_weight=(32, 32), k_proj_weight=(32, 12), v_proj_weight=(32, 20))
+    else:
+        expected["in_proj_weight"] = (96, 32)
+    if bias:
+        expected.update(in_proj_bias=(96,), out_proj_bias=(32,))
+    for name, shape in expected.items():
+        array = getattr(layer, name)
+        assert isinstance(array, np.ndarray) and array.shape == shape and array.dtype == np.dtype(dtype), name
+    for name in set(WEIGHT_NAMES) - set(expected):
+        assert getattr(layer, name, None) is None, name
+    again = pyattn.MultiHeadAttention(32, 4, bias=bias, dtype=dtype, seed=7, **dims)
+    for name in expected:
+        np.testing.assert_array_equal(getattr(layer, name), getattr(again, name))
+
+
+def test_layer_follows_isa_changes(dtype, rng):
+    # Weights are packed for the ISA active at construction; a later ISA switch must still work.
+    layer = pyattn.MultiHeadAttention(48, 4, dtype=dtype, seed=5)
+    query, _, _ = make_inputs(rng, dtype, 2, 17, 17, 48)
+    expected = reference.mha(query, num_heads=4, **layer_weights(layer))
+    previous = pyattn.get_isa()
+    try:
+        for name in pyattn.available_isas()[::-1] + [previous]:
+            pyattn._core._set_isa(name)
+            assert_close(layer(query), expected, dtype)
+    finally:
+        pyattn._core._set_isa(previous)
+
+
+def test_layer_call_matches_mha(isa, dtype, rng):
+    layer = pyattn.MultiHeadAttention(32, 4, kdim=12, vdim=20, dtype=dtype, seed=1)
+    query, key, value = make_inputs(rng, dtype, 2, 9, 13, 32, kdim=12, vdim=20)
+    options = dict(
+        attn_mask=torch_style_mask(rng, (8, 9, 13), "float", dtype),
+        key_padding_mask=torch_style_mask(rng, (2, 13), "float", dtype),
+        is_causal="lower_right",
+        need_weights=True,
+        num_threads=2,
+    )
+    got = layer(query, key, value, **options)
+    assert_same_result(got, mha(query, key, value, num_heads=4, **layer_weights(layer), **options), dtype)
+    assert_same_result(got, reference.mha(query, key, value, num_heads=4, **layer_weights(layer), **options), dtype)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("num_kv_heads", [None, 2])
+def test_from_linear_weights(isa, dtype, rng, with_bias, num_kv_heads):
+    # BERT/GPT-style separate q/k/v/o linear layers, weights (out_features, in_features).
+    embed_dim, num_heads = 48, 4
+    kv_dim = (num_kv_heads or num_heads) * 12
+    q_w, o_w = (scaled_normal(rng, (embed_dim, embed_dim), dtype, embed_dim) for _ in range(2))
+    k_w, v_w = (scaled_normal(rng, (kv_dim, embed_dim), dtype, embed_dim) for _ in range(2))
+    biases = {}
+    if with_bias:
+        biases = dict(
+            q_bias=random_array(rng, (embed_dim,), dtype),
+            k_bias=random_array(rng, (kv_dim,), dtype),
+            v_bias=random_array(rng, (kv_dim,), dtype),
+            o_bias=random_array(rng, (embed_dim,), dtype),
+        )
+    layer = pyattn.MultiHeadAttention.from_linear_weights(
+        q_w, k_w, v_w, o_w, num_heads=num_heads, num_kv_heads=num_kv_heads, **biases
+    )
+    weights = dict(q_proj_weight=q_w, k_proj_weight=k_w, v_proj_weight=v_w, out_proj_weight=o_w)
+    if with_bias:
+        weights.update(
+            q_proj_bias=biases["q_bias"],
+            k_proj_bias=biases["k_bias"],
+            v_proj_bias=biases["v_bias"],
+            out_proj_bias=biases["o_bias"],
+        )
+    query, _, _ = make_inputs(rng, dtype, 2, 11, 11, embed_dim)
+    options = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, is_causal=True)
+    got = layer(query, is_causal=True)
+    assert got.dtype == np.dtype(dtype)
+    assert_close(got, mha(query, **weights, **options), dtype)
+    assert_close(got, reference.mha(query, **weights, **options), dtype)
+
+
+# --- torch.nn.MultiheadAttention ------------------------------------------------------------------
+
+
+def import_torch():
+    return pytest.importorskip("torch")
+
+
+def torch_module(rng, embed_dim, num_heads, *, kdim=None, vdim=None, bias=True, dtype=np.float64, values=None):
+    """An eval-mode batch_first torch.nn.MultiheadAttention of torch dtype `dtype` whose parameters
+    are random values representable in `values` (default `dtype`), biases included (torch zeros them)."""
+    torch = import_torch()
+    module = torch.nn.MultiheadAttention(
+        embed_dim,
+        num_heads,
+        bias=bias,
+        kdim=kdim,
+        vdim=vdim,
+        batch_first=True,
+        dtype=torch.float64 if dtype == np.float64 else torch.float32,
+    ).eval()
+    values = dtype if values is None else values
+    with torch.no_grad():
+        for param in module.parameters():
+            fan_in = param.shape[-1] if param.ndim == 2 else 1
+            data = scaled_normal(rng, tuple(param.shape), values, fan_in, guard=False)
+            param.copy_(torch.from_numpy(data.astype(dtype)))
+    return module
+
+
+def torch_state(module, dtype):
+    """module.state_dict() as NumPy arrays of `dtype`."""
+    return {k: t.detach().numpy().astype(dtype) for k, t in module.state_dict().items()}
+
+
+def weights_of_torch(module, dtype):
+    """mha() weight keywords holding a torch module's parameters (cast to `dtype`)."""
+    state = torch_state(module, dtype)
+    names = {"out_proj.weight": "out_proj_weight", "out_proj.bias": "out_proj_bias"}
+    return {names.get(k, k): v for k, v in state.items()}
+
+
+def run_torch(module, query, key=None, value=None, *, attn_mask=None, key_padding_mask=None, **kwargs):
+    """module(...) on NumPy inputs cast to the module's dtype; returns float64 out or (out, weights).
+
+    Gradients stay enabled so torch takes its plain (not the fused "fast path") implementation, which
+    supports every option here; outputs are detached.
+    """
+    torch = import_torch()
+    np_dtype = np.float64 if module.out_proj.weight.dtype == torch.float64 else np.float32
+    key = query if key is None else key
+    value = key if value is None else value
+
+    def tensor(a, cast=True):
+        if a is None:
+            return None
+        a = np.ascontiguousarray(a)
+        return torch.from_numpy(a.astype(np_dtype) if cast and a.dtype != np.bool_ else a)
+
+    need_weights = kwargs.get("need_weights", False)
+    out, weights = module(
+        tensor(query),
+        tensor(key),
+        tensor(value),
+        attn_mask=tensor(attn_mask),
+        key_padding_mask=tensor(key_padding_mask),
+        **kwargs,
+    )
+    out = out.detach().numpy().astype(np.float64)
+    return (out, weights.detach().numpy().astype(np.float64)) if need_weights else out
+
+
+def dims_grid():
+    return [(e, h) for e in (8, 48, 64, 96) for h in (1, 2, 4, 8) if e % h == 0]
+
+
+@pytest.mark.parametrize("embed_dim, num_heads", dims_grid())
+def test_dims_match_torch(dtype, rng, embed_dim, num_heads):
+    # Torch runs in float64 with parameters representable in `dtype`: the exact answer to pyattn's problem.
+    module = torch_module(rng, embed_dim, num_heads, values=dtype)
+    weights = weights_of_torch(module, dtype)
+    query, _, _ = make_inputs(rng, dtype, 2, 7, 7, embed_dim)
+    for average in (True, False):
+        options = dict(need_weights=True, average_attn_weights=average)
+        got = mha(query, num_heads=num_heads, **weights, **options)
+        assert_same_result(got, run_torch(module, query, **options), dtype)
+
+
+# Cases for torch (same keys as OPTION_CASES where they overlap); pyattn's is_causal is given to torch
+# as an explicit attn_mask (torch's own is_causal is only a hint that needs one).
+TORCH_CASES = [
+    "self",
+    "cross_kdim_vdim",
+    "no_bias",
+    "no_bias_separate",
+    "attn_mask_2d_bool",
+    "attn_mask_2d_float",
+    "attn_mask_3d_bool",
+    "attn_mask_3d_float",
+    "key_padding_bool",
+    "key_padding_float",
+    "both_masks_bool",
+    "both_masks_float",
+    "causal",
+    "weights_averaged",
+    "weights_per_head",
+]
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "unbatched"])
+@pytest.mark.parametrize("case", TORCH_CASES)
+@pytest.mark.parametrize("embed_dim, num_heads", [(48, 4), (64, 8)])
+def test_options_match_torch(dtype, rng, case, batched, embed_dim, num_heads):
+    spec = OPTION_CASES[case]
+    q_len, kv_len = 9, 13
+    dims = {k: v for k, v in spec.get("weights", {}).items() if k in ("kdim", "vdim")}
+    bias = spec.get("weights", {}).get("bias", True)
+    module = torch_module(rng, embed_dim, num_heads, bias=bias, values=dtype, **dims)
+    batch = 3 if batched else None
+    query, key, value = make_inputs(rng, dtype, batch, q_len, kv_len, embed_dim, **dims)
+    options = case_options(rng, dtype, case, batch, num_heads, q_len, kv_len)
+    got = mha(query, key, value, num_heads=num_heads, **weights_of_torch(module, dtype), **options)
+    if options.pop("is_causal", False):
+        options["attn_mask"] = causal_forbidden(q_len, kv_len)
+    assert_same_result(got, run_torch(module, query, key, value, **options), dtype)
+
+
+@pytest.mark.parametrize("case", ["self", "cross_kdim_vdim", "both_masks_float", "weights_per_head"])
+def test_float32_matches_torch_float32(rng, case):
+    # Both libraries in float32 on the same float32 problem: within the float32 tolerance of each other.
+    dtype, embed_dim, num_heads, q_len, kv_len = np.float32, 64, 4, 9, 13
+    spec = OPTION_CASES[case]
+    dims = {k: v for k, v in spec.get("weights", {}).items() if k in ("kdim", "vdim")}
+    module = torch_module(rng, embed_dim, num_heads, dtype=np.float32, **dims)
+    query, key, value = make_inputs(rng, dtype, 3, q_len, kv_len, embed_dim, **dims)
+    options = case_options(rng, dtype, case, 3, num_heads, q_len, kv_len)
+    got = mha(query, key, value, num_heads=num_heads, **weights_of_torch(module, dtype), **options)
+    assert_same_result(got, run_torch(module, query, key, value, **options), dtype)
+
+
+@pytest.mark.parametrize(
+    "dims, bias",
+    [({}, True), ({}, False), (dict(kdim=12, vdim=20), True), (dict(kdim=12, vdim=20), False)],
+    ids=["packed", "packed_no_bias", "separate", "separate_no_bias"],
+)
+def test_from_torch_round_trip(isa, rng, dims, bias):
+    dtype = np.float32
+    module = torch_module(rng, 32, 4, bias=bias, dtype=dtype, **dims)
+    layer = pyattn.MultiHeadAttention.from_torch(module)
+    state = layer.state_dict()
+    torch_sd = torch_state(module, dtype)
+    assert set(state) == set(torch_sd)
+    for name, array in state.items():
+        assert isinstance(array, np.ndarray) and array.dtype == np.dtype(dtype), name
+        np.testing.assert_array_equal(array, torch_sd[name], err_msg=name)
+
+    query, key, value = make_inputs(rng, dtype, 2, 9, 13, 32, **dims)
+    masks = dict(key_padding_mask=torch_style_mask(rng, (2, 13), "bool", dtype), need_weights=True)
+    got = layer(query, key, value, **masks)
+    assert_same_result(got, run_torch(copy.deepcopy(module).double(), query, key, value, **masks), dtype)
+
+    # A fresh layer (other seed) loaded with the torch state computes exactly the same thing.
+    fresh = pyattn.MultiHeadAttention(32, 4, bias=bias, dtype=dtype, seed=99, **dims)
+    fresh.load_state_dict(torch_sd)
+    for a, b in zip(fresh(query, key, value, **masks), got):
+        np.testing.assert_array_equal(a, b)
+
+    # And the other way: a pyattn state loads into torch (strict: same keys and shapes).
+    torch = import_torch()
+    other = torch_module(rng, 32, 4, bias=bias, dtype=np.float64, **dims)
+    other.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in fresh.state_dict().items()})
+    assert_same_result(got, run_torch(other, query, key, value, **masks), dtype)
+
+
+def test_from_torch_keeps_float64(rng):
+    module = torch_module(rng, 16, 2, dtype=np.float64)
+    layer = pyattn.MultiHeadAttention.from_torch(module)
+    assert all(a.dtype == np.float64 for a in layer.state_dict().values())
+    query, _, _ = make_inputs(rng, np.float64, 2, 5, 5, 16)
+    assert_close(layer(query), run_torch(module, query), np.float64)
+
+
+# --- errors ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def layer_args(rng):
+    """query (2, 5, 16), key (2, 7, 6), value (2, 7, 10) and separate float32 weights, 4 heads."""
+    query, key, value = make_inputs(rng, np.float32, 2, 5, 7, 16, kdim=6, vdim=10)
+    weights = random_weights(rng, np.float32, 16, 4, kdim=6, vdim=10)
+    return dict(query=query, key=key, value=value, num_heads=4, **weights)
+
+
+def test_num_heads_must_divide_embed_dim(layer_args):
+    with pytest.raises(ValueError, match="num_heads"):
+        mha(**{**layer_args, "num_heads": 3})
+    with pytest.raises(ValueError, match="num_heads"):
+        pyattn.MultiHeadAttention(10, 3)
+
+
+@pytest.mark.parametrize("num_kv_heads", [3, 0])
+def test_num_kv_heads_must_divide_num_heads(rng, num_kv_heads):
+    query, _, _ = make_inputs(rng, np.float32, 2, 5, 5, 24)
+    weights = random_weights(rng, np.float32, 24, 4, num_kv_heads=2)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        mha(query, num_heads=4, num_kv_heads=num_kv_heads, **weights)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        pyattn.MultiHeadAttention(24, 4, num_kv_heads=num_kv_heads)
+
+
+@pytest.mark.parametrize(
+    "name, shape",
+    [
+        ("q_proj_weight", (16, 15)),
+        ("q_proj_weight", (12, 16)),
+        ("k_proj_weight", (16, 7)),  # kdim is 6
+        ("k_proj_weight", (8, 6)),
+        ("v_proj_weight", (16, 6)),  # vdim is 10
+        ("v_proj_weight", (16,)),
+        ("out_proj_weight", (16, 12)),
+        ("out_proj_weight", (12, 16)),
+        ("q_proj_bias", (15,)),
+        ("k_proj_bias", (17,)),
+        ("v_proj_bias", (16, 1)),
+        ("out_proj_bias", (8,)),
+        ("in_proj_bias", (47,)),
+    ],
+)
+def test_wrong_weight_shapes(layer_args, name, shape):
+    layer_args[name] = np.zeros(shape, dtype=np.float32)
+    if name == "in_proj_bias":  # instead of the separate biases
+        for other in ("q_proj_bias", "k_proj_bias", "v_proj_bias"):
+            del layer_args[other]
+    with pytest.raises(ValueError, match=name):
+        mha(**layer_args)
+
+
+@pytest.mark.parametrize("shape", [(47, 16), (48, 15), (48,), (16, 16)])
+def test_wrong_in_proj_weight_shape(rng, shape):
+    query, _, _ = make_inputs(rng, np.float32, 2, 5, 5, 16)
+    weights = random_weights(rng, np.float32, 16, 4)
+    weights["in_proj_weight"] = np.zeros(shape, dtype=np.float32)
+    with pytest.raises(ValueError, match="in_proj_weight"):
+        mha(query, num_heads=4, **weights)
+
+
+def test_in_proj_weight_needs_embed_dim_key_and_value(layer_args):
+    weights = random_weights(np.random.default_rng(0), np.float32, 16, 4)
+    args = {k: v for k, v in layer_args.items() if k in ("query", "key", "value", "num_heads")}
+    with pytest.raises(ValueError, match="in_proj_weight|key"):
+        mha(**args, **weights)
+
+
+@pytest.mark.parametrize("missing", ["q_proj_weight", "k_proj_weight", "v_proj_weight"])
+def test_missing_projection_weight(layer_args, missing):
+    del layer_args[missing]
+    with pytest.raises(ValueError, match=missing):
+        mha(**layer_args)
+
+
+def test_missing_all_projection_weights(layer_args):
+    for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+        del layer_args[name]
+    with pytest.raises(ValueError, match="in_proj_weight|q_proj_weight"):
+        mha(**layer_args)
+
+
+def test_missing_out_proj_weight(layer_args):
+    del layer_args["out_proj_weight"]
+    with pytest.raises((TypeError, ValueError), match="out_proj_weight"):
+        mha(**layer_args)
+
+
+@pytest.mark.parametrize(
+    "name, shape",
+    [
+        ("attn_mask", (5, 8)),
+        ("attn_mask", (6, 7)),
+        ("attn_mask", (7,)),
+        ("attn_mask", (4, 5, 7)),  # needs B*num_heads = 8
+        ("attn_mask", (9, 5, 7)),
+        ("attn_mask", (2, 4, 5, 7)),
+        ("key_padding_mask", (2, 8)),
+        ("key_padding_mask", (7,)),
+        ("key_padding_mask", (1, 7)),
+        ("key_padding_mask", (2, 5, 7)),
+    ],
+)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_wrong_mask_shapes(layer_args, name, shape, kind):
+    layer_args[name] = np.zeros(shape, dtype=bool if kind == "bool" else np.float32)
+    with pytest.raises(ValueError, match=name):
+        mha(**layer_args)
+
+
+@pytest.mark.parametrize("name", ["attn_mask", "key_padding_mask"])
+@pytest.mark.parametrize("bad_dtype", [np.int32, np.float64, np.float16])
+def test_wrong_mask_dtypes(layer_args, name, bad_dtype):
+    shape = (5, 7) if name == "attn_mask" else (2, 7)
+    layer_args[name] = np.zeros(shape, dtype=bad_dtype)
+    with pytest.raises(TypeError, match=name):
+        mha(**layer_args)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "key",
+        "value",
+        "q_proj_weight",
+        "k_proj_weight",
+        "v_proj_weight",
+        "out_proj_weight",
+        "q_proj_bias",
+        "out_proj_bias",
+    ],
+)
+def test_mixed_dtypes(layer_args, name):
+    layer_args[name] = layer_args[name].astype(np.float64)
+    with pytest.raises(TypeError, match=name):
+        mha(**layer_args)
+
+
+@pytest.mark.parametrize("bad_dtype", [np.int64, np.complex64, object])
+def test_non_float_query(layer_args, bad_dtype):
+    layer_args["query"] = layer_args["query"].astype(bad_dtype)
+    with pytest.raises(TypeError, match="query"):
+        mha(**layer_args)
+
+
+@pytest.mark.parametrize("shape", [(16,), (1, 2, 5, 16)])
+def test_query_ndim(layer_args, shape):
+    layer_args["query"] = np.zeros(shape, dtype=np.float32)
+    with pytest.raises(ValueError, match="query"):
+        mha(**layer_args)
+
+
+def test_query_embed_dim_must_match_weights(layer_args):
+    layer_args["query"] = np.zeros((2, 5, 12), dtype=np.float32)
+    with pytest.raises(ValueError, match="query|q_proj_weight"):
+        mha(**layer_args)
+
+
+@pytest.mark.parametrize(
+    "name, shape", [("key", (3, 7, 6)), ("value", (2, 8, 10)), ("key", (7, 6)), ("value", (2, 7, 11))]
+)
+def test_key_value_shapes(layer_args, name, shape):
+    # A feature size that disagrees with its projection may be blamed on either side.
+    layer_args[name] = np.zeros(shape, dtype=np.float32)
+    with pytest.raises(ValueError, match=f"{name}|{name[0]}_proj_weight"):
+        mha(**layer_args)
+
+
+@pytest.mark.parametrize("is_causal", ["lower-right", 2])
+def test_bad_is_causal(layer_args, is_causal):
+    with pytest.raises((ValueError, TypeError), match="is_causal"):
+        mha(**layer_args, is_causal=is_causal)
+
+
+@pytest.mark.parametrize("num_threads", [0, -1])
+def test_bad_num_threads(layer_args, num_threads):
+    with pytest.raises(ValueError, match="num_threads"):
+        mha(**layer_args, num_threads=num_threads)
+
+
+def test_from_linear_weights_wrong_shapes(rng):
+    w = scaled_normal(rng, (16, 16), np.float32, 16)
+    with pytest.raises(ValueError, match="k_weight|k_proj_weight"):
+        pyattn.MultiHeadAttention.from_linear_weights(w, w[:12], w, w, num_heads=4)
+    with pytest.raises(ValueError, match="o_weight|out_proj_weight"):
+        pyattn.MultiHeadAttention.from_linear_weights(w, w, w, w[:8], num_heads=4)
+    with pytest.raises(ValueError, match="num_heads"):
+        pyattn.MultiHeadAttention.from_linear_weights(w, w, w, w, num_heads=3)
+
+
+# --- the packed GEMM behind the projections --------------------------------------------------------
+
+GEMM_SIZES = (1, 7, 17, 33, 65, 129)
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+def test_linear_matches_matmul(isa, dtype, rng, with_bias):
+    # Every (m, n, k) combination: register-tile edges in all three dimensions.
+    for m, n, k in itertools.product(GEMM_SIZES, repeat=3):
+        x = random_array(rng, (m, k), dtype)  # rows not adjacent (NaN gaps between them)
+        w = random_array(rng, (n, k), dtype)
+        bias = random_array(rng, (n,), dtype) if with_bias else None
+        saved = [a.copy() for a in (x, w) + ((bias,) if with_bias else ())]
+        packed, panel = pyattn._core.pack_weights(w)
+        out = np.full((m, n), np.nan, dtype=dtype)
+        pyattn._core.linear(x, packed, panel, n, bias, out, 1 + (m + n + k) % 3)
+        expected = x.astype(np.float64) @ w.astype(np.float64).T
+        if with_bias:
+            expected += bias
+        rtol, atol = TOL[dtype]
+        np.testing.assert_allclose(out, expected, rtol=rtol, atol=atol, err_msg=f"m={m} n={n} k={k}")
+        for before, after in zip(saved, (x, w) + ((bias,) if with_bias else ())):
+            np.testing.assert_array_equal(after, before, err_msg=f"input modified, m={m} n={n} k={k}")
