@@ -496,6 +496,7 @@ PYBIND11_MODULE(_core, m) {
   m.def("openmp_runtime", []() { return std::string(openmp_runtime()); });
   m.def("openmp_enabled", &openmp_enabled);
   m.def("compiler", &compiler_string);
+  m.def("isa_flags", []() { return std::string(PYATTN_ISA_FLAGS); }, "Compiler flags of each ISA's kernels.");
   m.def(
       "fma_peak_gflops",
       [](int threads, double seconds) {

@@ -69,7 +69,8 @@ def get_isa():
 
 
 def runtime_info():
-    """Version, kernel ISA, available ISAs, thread count, OpenMP runtime and compiler, as a dict."""
+    """Version, kernel ISA, available ISAs, thread count, OpenMP runtime, compiler and per-ISA
+    compiler flags, as a dict."""
     return {
         "version": __version__,
         "isa": get_isa(),
@@ -77,6 +78,7 @@ def runtime_info():
         "num_threads": get_num_threads(),
         "openmp": _core.openmp_runtime(),
         "compiler": _core.compiler(),
+        "flags": _core.isa_flags(),
     }
 
 

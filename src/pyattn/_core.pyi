@@ -111,6 +111,9 @@ def openmp_enabled() -> bool:
 def compiler() -> str:
     """Compiler name and version that built the extension."""
 
+def isa_flags() -> str:
+    """Compiler flags of each ISA's kernels."""
+
 def fma_peak_gflops(num_threads: int, seconds: float = 0.5) -> float:
     """float32 FMA throughput of the active ISA, GFLOP/s."""
 
