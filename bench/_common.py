@@ -136,29 +136,67 @@ def now_iso() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
-def busy_cpus(interval: float = 0.25, settle: float = 0.2) -> float | None:
-    """CPUs kept busy by other processes: /proc/stat sampled over `interval` s while this process
-    sleeps, after `settle` s for its own worker threads to stop spinning.
+def _machine_busy_seconds() -> float:
+    """CPU-seconds all processes have spent busy since boot, summed over CPUs (/proc/stat)."""
+    with open("/proc/stat", encoding="utf-8") as f:
+        user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in f.readline().split()[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
-    None where /proc/stat is unavailable. On a shared machine a value well above 0 means that the
-    timings of the run are noisy (and usually too slow).
+
+class BackgroundLoad:
+    """Context manager: how many CPUs *other* processes kept busy while it was entered, i.e.
+    (machine busy CPU-seconds - this process's CPU-seconds, all threads) / wall seconds.
+
+    After exit, `cpus` holds that average (None where /proc/stat is unavailable). On a shared
+    machine a value well above 0 means the timings taken inside are noisy (and usually too slow).
     """
 
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat", encoding="utf-8") as f:
-            ticks = [int(x) for x in f.readline().split()[1:]]
-        return sum(ticks), ticks[3] + ticks[4]  # total, idle + iowait
+    cpus: float | None = None
 
+    def __enter__(self) -> BackgroundLoad:
+        self.cpus = None
+        try:
+            self._machine0: float | None = _machine_busy_seconds()
+        except (OSError, ValueError):
+            self._machine0 = None
+        self._own0 = _own_cpu_seconds()
+        self._wall0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        wall = time.perf_counter() - self._wall0
+        if self._machine0 is None or wall <= 0:
+            return
+        try:
+            machine = _machine_busy_seconds() - self._machine0
+        except (OSError, ValueError):
+            return
+        self.cpus = max(0.0, (machine - (_own_cpu_seconds() - self._own0)) / wall)
+
+
+def _own_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def busy_cpus(interval: float = 0.25, settle: float = 0.2) -> float | None:
+    """CPUs kept busy by other processes over `interval` s while this process sleeps (after
+    `settle` s for its own worker threads to stop spinning); None without /proc/stat."""
     time.sleep(settle)
-    try:
-        total0, idle0 = sample()
+    with BackgroundLoad() as load:
         time.sleep(interval)
-        total1, idle1 = sample()
-    except (OSError, ValueError, IndexError):
-        return None
-    if total1 == total0:
-        return 0.0
-    return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / (total1 - total0))
+    return load.cpus
+
+
+def wait_for_idle(max_wait: float, threshold: float = BUSY_WARN_CPUS) -> float | None:
+    """Poll busy_cpus() until other processes use at most `threshold` CPUs or `max_wait` seconds
+    have passed; return the last reading (None without /proc/stat)."""
+    deadline = time.monotonic() + max_wait
+    while True:
+        busy = busy_cpus()
+        if busy is None or busy <= threshold or time.monotonic() >= deadline:
+            return busy
+        time.sleep(1.0)
 
 
 def openblas_env_warnings() -> list[str]:

@@ -29,6 +29,16 @@ What is measured, per (shape, variant) row, all in float32 with the same thread 
 FLOP count: 4 * B * H * D * (number of (query, key) pairs computed); a pair costs 2*D for q.k and 2*D
 for p*v. ``none`` and ``mask`` rows count all L*S pairs (a mask does not reduce the work credited);
 ``causal`` rows count only the allowed pairs (about half for L == S).
+
+Fairness: every library gets ``--threads`` threads (pyattn ``num_threads=``, torch.set_num_threads,
+onnxruntime intra_op_num_threads, NumPy's BLAS through threadpoolctl when installed; without it the
+header says so). Inputs, masks and the numpy peer's causal mask are built outside the timed calls.
+Each library's timing starts with a 0.1 s pause, because OpenBLAS worker threads keep spinning for
+about that long after a call and slow whatever runs next on a machine with few cores.
+
+Shared machines: the ``bg`` column is the number of CPUs other processes kept busy while the row ran
+(from /proc/stat minus this process's CPU time); rows with bg > 0.2 are noisy. ``--wait-idle SECONDS``
+waits for idle CPUs before each row and redoes disturbed rows.
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ import numpy as np
 from _common import (
     BUSY_WARN_CPUS,
     ENVIRONMENT_HELP,
+    BackgroundLoad,
     Column,
     Table,
     blas_thread_limiter,
@@ -61,10 +72,12 @@ from _common import (
     numpy_blas_name,
     openblas_env_warnings,
     time_call,
+    wait_for_idle,
 )
 
 DTYPE = np.float32
 FULL_CHECK_MAX_SCORES = 1 << 23  # B*H*L*S above this: the error is checked on [:1, :1] only
+ROW_RETRIES = 2  # with --wait-idle: redo a row disturbed by other processes at most this often
 PEER_AGREEMENT_TOL = 1e-3  # a peer further than this from pyattn is reported (bench bug or real bug)
 NUMPY_CHUNK_SCORES = 1 << 22  # the numpy peer materialises at most this many float32 scores at once
 
@@ -341,7 +354,7 @@ def print_header(info: dict, peers: list[str]) -> None:
     print(f"numpy {info['versions']['numpy']} ({info['numpy_blas']})")
     print(f"torch {info['versions']['torch']};  onnxruntime {info['versions']['onnxruntime']}")
     print(
-        "ceilings (measured now): FMA peak "
+        "ceilings (measured now): FMA peak (best ISA) "
         + (f"{fma:.1f} GFLOP/s" if fma else "n/a (pyattn._core.fma_peak_gflops missing)")
         + ", read bandwidth "
         + (f"{bw:.1f} GB/s" if bw else "n/a (pyattn._core.read_bandwidth_gbs missing)")
@@ -356,6 +369,10 @@ def print_header(info: dict, peers: list[str]) -> None:
     print("dtype float32; times in ms = median over runs (min ms = fastest run); warm-up excluded")
     print("GFLOP/s = 4*B*H*D*pairs / time; none/mask rows count all L*S pairs, causal only allowed ones")
     print("GB/s (decode rows only) = bytes of K+V / time; %bw = of the read bandwidth above")
+    print(
+        "bg = CPUs other processes kept busy during the row (machine busy time - this process's);"
+        f" rows with bg > {BUSY_WARN_CPUS} are noisy"
+    )
     print(
         f"max err = max|pyattn - pyattn.reference (float64)|; err on 'all' = whole output, "
         f"'b0h0' = first batch & head only (inputs sliced) when B*H*L*S > {FULL_CHECK_MAX_SCORES}"
@@ -438,6 +455,26 @@ def run_row(pyattn, case, variant, inputs, mask, peers, args, ceilings) -> dict:
     return row
 
 
+def run_row_guarded(pyattn, case, variant, inputs, mask, peers, args, ceilings) -> dict:
+    """run_row() under a BackgroundLoad monitor. With --wait-idle, wait for idle CPUs first and
+    redo a row that other processes disturbed (at most ROW_RETRIES times)."""
+    attempts = 1 + (ROW_RETRIES if args.wait_idle > 0 else 0)
+    for attempt in range(1, attempts + 1):
+        if args.wait_idle > 0:
+            wait_for_idle(args.wait_idle)
+        with BackgroundLoad() as load:
+            row = run_row(pyattn, case, variant, inputs, mask, peers, args, ceilings)
+        row["background_cpus"], row["attempts"] = load.cpus, attempt
+        if load.cpus is None or load.cpus <= BUSY_WARN_CPUS:
+            break
+        action = "redoing the row" if attempt < attempts else "keeping it"
+        print(
+            f"  note: {case.name}/{variant}: other processes used {load.cpus:.1f} CPUs; {action}",
+            file=sys.stderr,
+        )
+    return row
+
+
 def run_peer(name, case, variant, q, k, v, mask, pyattn_out, args, timing_opts) -> dict:
     """Time one peer; a peer that fails is reported (error string), not fatal."""
     try:
@@ -475,6 +512,7 @@ def make_table(peers: list[str]) -> Table:
         Column("%bw", 4),
         Column("max err", 7),
         Column("err on", 6, right=False),
+        Column("bg", 3),
     ]
     for name in peers:
         cols += [Column(f"{name} ms", 8), Column(f"{name} x", 5)]
@@ -495,6 +533,7 @@ def row_cells(row: dict, peers: list[str]) -> list[str]:
         fmt(row["pct_read_bw"], ".0f"),
         fmt(row["max_abs_err"], ".1e"),
         row["err_scope"],
+        fmt(row.get("background_cpus"), ".1f"),
     ]
     for name in peers:
         p = row["peers"].get(name, {})
@@ -556,6 +595,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--min-runs", type=int, default=None, help="minimum timed runs (default 5, --quick 3)"
     )
+    parser.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="shared machines: before each row wait up to SECONDS for idle CPUs, and redo a row "
+        f"that other processes disturbed (up to {ROW_RETRIES} times; default 0 = only report it)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed for inputs and masks")
     parser.add_argument("--json", metavar="PATH", default=None, help="save machine info and all rows as JSON")
     parser.add_argument("--markdown", action="store_true", help="also print the table as Markdown at the end")
@@ -595,7 +642,7 @@ def main(argv=None) -> int:
         sys.exit("bench_sdpa: no shape matches --shapes")
     peers, versions = detect_peers(args.peers)
     args.blas_limit, blas_threads = blas_thread_limiter(args.threads)
-    busy = busy_cpus()  # before anything of ours runs
+    busy = wait_for_idle(args.wait_idle)  # before anything of ours runs
     ceilings = measure_ceilings(pyattn._core, args.threads, args.quick)
     info = machine_info(pyattn, args.threads, versions, blas_threads, ceilings, busy, args)
     print_header(info, peers)
@@ -608,7 +655,7 @@ def main(argv=None) -> int:
         inputs = make_inputs(case, rng)
         for variant in args.variants:
             mask = make_padding_mask(case.q_len, case.kv_len, rng) if variant == "mask" else None
-            row = run_row(pyattn, case, variant, inputs, mask, peers, args, ceilings)
+            row = run_row_guarded(pyattn, case, variant, inputs, mask, peers, args, ceilings)
             rows.append(row)
             print(table.add(row_cells(row, peers)), flush=True)
 

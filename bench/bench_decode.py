@@ -1,0 +1,498 @@
+# SPDX-License-Identifier: MIT
+"""Benchmark one decode step: attention of a single new token over a KV cache (pyattn.KVCache).
+
+Run (from the repository root, with pyattn installed in the interpreter's environment)::
+
+    python bench/bench_decode.py                 # full suite (a few minutes, ~6 GiB of memory at 64k)
+    python bench/bench_decode.py --quick         # smoke, < 30 s
+    python bench/bench_decode.py --threads 1 --markdown --json decode.json
+
+Shapes: B=1 with 32 query heads, 8 (GQA) or 32 (MHA) key/value heads, head_dim 128, and cache
+lengths S = 1k, 4k, 16k, 64k; plus B=8 at S=4k. Cache storage float32, float16 and bfloat16.
+
+What is timed (the same work in every timed call): a KVCache with max_len = S is pre-filled once with
+S - 1 random tokens, then one more token is appended (untimed), so the last appended chunk is that one
+token at position S - 1. The timed call is ``cache.attend(q, num_threads=T)`` with q (B, 32, 1, 128)
+float32: one query per head over all S cached keys (lower-right causal = every key is visible), the
+Python-side argument handling and the output allocation included. attend() does not modify the
+cache, so every repetition reads exactly the same S keys and values.
+
+Peers (each library timed in its own block, with a pause before each block: two OpenMP runtimes
+spin-waiting side by side interfere on a machine with few cores):
+
+* torch: ``torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)`` under
+  ``torch.inference_mode()`` and ``torch.set_num_threads(T)``, on the float32 cache's own memory
+  (``torch.from_numpy(cache.keys())``, no copy). torch runs once per shape, in float32: the 16-bit
+  rows compare pyattn's 16-bit cache against that same float32 torch time;
+* ref: ``pyattn.reference.scaled_dot_product_attention`` (float64 NumPy) on the cache's stored values
+  (already rounded for 16-bit caches), only where B*S <= 4096: it is the error yardstick, and its time
+  is shown for scale, not as a tuned peer.
+
+Columns: ms = median over runs after warm-up (runs repeat until --min-time s and --min-runs runs);
+GB/s = bytes of K and V actually stored for the S filled tokens (B*Hkv*S*(D+Dv)*itemsize of the
+storage dtype; each K/V row is read once per GQA group) / median time; %bw = of the streaming read
+bandwidth measured at start-up in the same run (``pyattn._core.read_bandwidth_gbs(T, 1 << 30)``);
+rows whose K+V fit in the last-level cache can exceed 100%. max err = max |pyattn - ref| where the
+reference runs, else (float32 rows only) max |pyattn - torch|; column "vs" says which.
+torch x = torch ms / pyattn ms (> 1: pyattn is faster); vs f32 = pyattn float32-cache ms / this row's
+ms (the speedup of 16-bit storage at the same length); bg = CPUs other processes kept busy while
+the shape ran (rows with bg > 0.2 are noisy; ``--wait-idle SECONDS`` waits for idle CPUs before each
+shape and redoes disturbed ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from _common import (
+    BUSY_WARN_CPUS,
+    BackgroundLoad,
+    Column,
+    Table,
+    busy_cpus,
+    cpu_model,
+    fmt,
+    fmt_ms,
+    import_pyattn,
+    now_iso,
+    time_call,
+    wait_for_idle,
+)
+
+NUM_HEADS = 32
+HEAD_DIM = 128
+CACHE_DTYPES = ("float32", "float16", "bfloat16")
+REFERENCE_MAX_TOKENS = 4096  # the float64 reference runs where batch * S <= this
+FILL_CHUNK = 4096  # tokens appended per call while pre-filling (bounds the temporary float32 chunk)
+WARMUP = 3
+PAUSE = 0.2  # seconds of sleep before each library's block
+REDO = 3  # with --wait-idle: times a shape disturbed by other processes is redone
+
+
+@dataclass(frozen=True)
+class Case:
+    """One decode step: batch rows, num_kv_heads key/value heads, kv_len cached tokens."""
+
+    batch: int
+    num_kv_heads: int
+    kv_len: int
+
+    @property
+    def name(self) -> str:
+        s = f"{self.kv_len // 1024}k" if self.kv_len % 1024 == 0 else str(self.kv_len)
+        return f"B{self.batch} Hkv{self.num_kv_heads} S{s}"
+
+    def kv_bytes(self, itemsize: int) -> int:
+        return self.batch * self.num_kv_heads * self.kv_len * 2 * HEAD_DIM * itemsize
+
+    @property
+    def has_reference(self) -> bool:
+        return self.batch * self.kv_len <= REFERENCE_MAX_TOKENS
+
+
+SUITE = tuple(
+    [Case(1, hk, s) for hk in (8, 32) for s in (1024, 4096, 16384, 65536)] + [Case(8, hk, 4096) for hk in (8, 32)]
+)
+QUICK = (Case(1, 8, 1024), Case(1, 32, 4096), Case(8, 8, 4096))
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs
+
+
+def storage_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def filled_cache(pyattn, case: Case, dtype_name: str, rng, source=None):
+    """A KVCache (max_len = S) holding S - 1 tokens plus one appended token (last chunk = 1 token).
+
+    Values are random normal, appended FILL_CHUNK tokens at a time, or copied (converted) from the
+    float32 cache `source`, so at most one chunk of temporaries exists besides the caches.
+    """
+    b, hk, s = case.batch, case.num_kv_heads, case.kv_len
+    cache = pyattn.KVCache(b, hk, HEAD_DIM, s, dtype=dtype_name)
+
+    def chunk(start, stop):
+        if source is not None:
+            return source.keys()[:, :, start:stop], source.values()[:, :, start:stop]
+        shape = (b, hk, stop - start, HEAD_DIM)
+        return rng.standard_normal(shape, dtype=np.float32), rng.standard_normal(shape, dtype=np.float32)
+
+    for start in range(0, s - 1, FILL_CHUNK):
+        cache.append(*chunk(start, min(start + FILL_CHUNK, s - 1)))
+    cache.append(*chunk(s - 1, s))  # the new token: attend() works on this 1-token chunk
+    assert cache.lengths.tolist() == [s] * b
+    return cache
+
+
+def max_abs_diff(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+# ----------------------------------------------------------------------------------------------
+# Rows
+
+
+def time_torch(q, cache, timing):
+    """torch SDPA (enable_gqa, inference_mode) on the float32 cache's memory: timing, output."""
+    import torch
+
+    tq, tk, tv = torch.from_numpy(q), torch.from_numpy(cache.keys()), torch.from_numpy(cache.values())
+
+    def run():
+        with torch.inference_mode():
+            return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
+
+    t, out = time_call(run, **timing)
+    return t, out.numpy()
+
+
+def time_reference(pyattn, q, cache, timing):
+    """The float64 reference on the cache's stored K/V (float64 copies made outside the timing)."""
+    keys, values = cache.keys().astype(np.float64), cache.values().astype(np.float64)
+    return time_call(lambda: pyattn.reference.scaled_dot_product_attention(q, keys, values, enable_gqa=True),
+                     **timing)
+
+
+def case_rows(pyattn, case: Case, args, bandwidth) -> list[dict]:
+    """All rows of one shape: pyattn per cache dtype, torch once (float32), reference if small."""
+    import torch
+
+    rng = np.random.default_rng(args.seed)
+    timing = dict(min_time=args.min_time, min_runs=args.min_runs, warmup=WARMUP, settle=PAUSE)
+    q = rng.standard_normal((case.batch, NUM_HEADS, 1, HEAD_DIM), dtype=np.float32)
+    t0 = time.perf_counter()
+    f32 = filled_cache(pyattn, case, "float32", rng)
+    fill_s = time.perf_counter() - t0
+
+    # torch on the float32 cache's memory (max_len == S, so keys()/values() are contiguous views).
+    torch.set_num_threads(args.threads)
+    t_torch, torch_out = time_torch(q, f32, timing)
+
+    rows = []
+    f32_ms = None
+    for name in args.dtypes:
+        cache = f32 if name == "float32" else filled_cache(pyattn, case, name, rng, source=f32)
+        t_pyattn, out = time_call(lambda c=cache: c.attend(q, num_threads=args.threads), **timing)
+        ms = t_pyattn.median * 1e3
+        nbytes = case.kv_bytes(cache.dtype.itemsize)
+        gbs = nbytes / t_pyattn.median / 1e9
+        row = {
+            "case": case.name,
+            "batch": case.batch,
+            "num_heads": NUM_HEADS,
+            "num_kv_heads": case.num_kv_heads,
+            "head_dim": HEAD_DIM,
+            "kv_len": case.kv_len,
+            "cache_dtype": name,
+            "kv_bytes": nbytes,
+            "pyattn_ms": ms,
+            "pyattn_min_ms": t_pyattn.min * 1e3,
+            "pyattn_runs": t_pyattn.runs,
+            "gbs": gbs,
+            "pct_read_bw": 100 * gbs / bandwidth if bandwidth else None,
+            "torch_ms": t_torch.median * 1e3,
+            "torch_runs": t_torch.runs,
+            "torch_gbs": case.kv_bytes(4) / t_torch.median / 1e9,
+            "torch_vs_pyattn": t_torch.median / t_pyattn.median,
+            "vs_f32_cache": None,
+            "reference_ms": None,
+            "max_abs_err": None,
+            "err_vs": None,
+            "torch_max_abs_err": None,
+            "fill_s": fill_s,
+        }
+        if name == "float32":
+            f32_ms = ms
+        elif f32_ms is not None:
+            row["vs_f32_cache"] = f32_ms / ms
+        if case.has_reference:
+            ref_timing = dict(timing, min_runs=min(args.min_runs, 3), warmup=0, min_time=0.0)
+            t_ref, ref = time_reference(pyattn, q, cache, ref_timing)
+            row["reference_ms"] = t_ref.median * 1e3
+            row["max_abs_err"], row["err_vs"] = max_abs_diff(out, ref), "ref"
+            if name == "float32":
+                row["torch_max_abs_err"] = max_abs_diff(torch_out, ref)
+        elif name == "float32":
+            row["max_abs_err"], row["err_vs"] = max_abs_diff(out, torch_out), "torch"
+        rows.append(row)
+        if cache is not f32:
+            del cache
+    return rows
+
+
+def guarded_rows(pyattn, case: Case, args, bandwidth) -> list[dict]:
+    """case_rows under a BackgroundLoad monitor (rows get "background_cpus"). With --wait-idle, a shape
+    disturbed by other processes is redone (after waiting for idle CPUs) up to REDO times."""
+    for attempt in range(1 + (REDO if args.wait_idle > 0 else 0)):
+        if args.wait_idle > 0:
+            wait_for_idle(args.wait_idle)
+        with BackgroundLoad() as load:
+            rows = case_rows(pyattn, case, args, bandwidth)
+        for row in rows:
+            row["background_cpus"] = load.cpus
+            row["attempt"] = attempt + 1
+        if load.cpus is None or load.cpus <= BUSY_WARN_CPUS:
+            break
+        print(f"  note: {case.name}: other processes used {load.cpus:.1f} CPUs", file=sys.stderr)
+    return rows
+
+
+def measure_bandwidth(pyattn, args) -> tuple[float, float | None]:
+    """Streaming read bandwidth (GB/s) of a 1 GiB buffer and the background load while measuring;
+    redone like a disturbed shape."""
+    for _ in range(1 + (REDO if args.wait_idle > 0 else 0)):
+        if args.wait_idle > 0:
+            wait_for_idle(args.wait_idle)
+        with BackgroundLoad() as load:
+            gbs = float(pyattn._core.read_bandwidth_gbs(args.threads, 1 << 30))
+        if load.cpus is None or load.cpus <= BUSY_WARN_CPUS:
+            break
+    return gbs, load.cpus
+
+
+# ----------------------------------------------------------------------------------------------
+# Table
+
+TABLE = Table(
+    [
+        Column("case", 14, right=False),
+        Column("cache", 8, right=False),
+        Column("K+V MiB", 7),
+        Column("ms", 7),
+        Column("GB/s", 5),
+        Column("%bw", 4),
+        Column("max err", 7),
+        Column("vs", 5, right=False),
+        Column("torch ms", 8),
+        Column("torch x", 7),
+        Column("vs f32", 6),
+        Column("ref ms", 7),
+        Column("bg", 3),
+    ]
+)
+
+
+def cells(row: dict) -> list[str]:
+    return [
+        row["case"],
+        row["cache_dtype"],
+        fmt(row["kv_bytes"] / 2**20, ".0f"),
+        fmt_ms(row["pyattn_ms"]),
+        fmt(row["gbs"], ".1f"),
+        fmt(row["pct_read_bw"], ".0f"),
+        fmt(row["max_abs_err"], ".1e"),
+        row["err_vs"] or "-",
+        fmt_ms(row["torch_ms"]),
+        fmt(row["torch_vs_pyattn"], ".2f"),
+        fmt(row["vs_f32_cache"], ".2f"),
+        fmt_ms(row["reference_ms"]),
+        fmt(row.get("background_cpus"), ".1f"),
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_case(text: str) -> Case:
+    """'1x8x64k' -> Case(batch=1, num_kv_heads=8, kv_len=65536)."""
+    batch, kv_heads, length = text.strip().lower().split("x")
+    kv_len = int(length[:-1]) * 1024 if length.endswith("k") else int(length)
+    case = Case(int(batch), int(kv_heads), kv_len)
+    if min(case.batch, case.num_kv_heads, case.kv_len) < 1 or NUM_HEADS % case.num_kv_heads:
+        raise ValueError(text)
+    return case
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Time one decode step (1 query token over a KV cache) with pyattn.KVCache.attend for "
+        "float32/float16/bfloat16 caches, against torch SDPA (float32) and the NumPy reference.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count(), help="threads for every library (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help=f"smoke test: {', '.join(c.name for c in QUICK)}, few runs (< 30 s)"
+    )
+    parser.add_argument(
+        "--cases",
+        default=None,
+        metavar="BxHKVxS,...",
+        help="run only these shapes, e.g. 1x8x64k,8x32x4096 (batch x kv heads x cache length; k = 1024)",
+    )
+    parser.add_argument("--isa", default=None, help="force a pyattn ISA via pyattn._core._set_isa (e.g. avx2)")
+    parser.add_argument(
+        "--dtypes", default=",".join(CACHE_DTYPES), help="comma-separated cache dtypes (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--min-time", type=float, default=None, help="timed seconds per library and row (default 0.5, --quick 0.05)"
+    )
+    parser.add_argument("--min-runs", type=int, default=None, help="minimum timed runs (default 20, --quick 5)")
+    parser.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="shared machines: before each shape wait up to SECONDS for other processes to go idle, and redo "
+        f"a shape they disturbed (up to {REDO} times)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="random seed for the cache contents and queries")
+    parser.add_argument("--json", metavar="PATH", default=None, help="save machine info and all rows as JSON")
+    parser.add_argument("--markdown", action="store_true", help="also print the table as Markdown at the end")
+    args = parser.parse_args(argv)
+    if args.threads is None or args.threads < 1:
+        parser.error("--threads must be >= 1")
+    args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    unknown = [d for d in args.dtypes if d not in CACHE_DTYPES]
+    if unknown or not args.dtypes:
+        parser.error(f"--dtypes: choose from {', '.join(CACHE_DTYPES)}, got {args.dtypes}")
+    if "float32" in args.dtypes:  # the float32 cache is built anyway (torch reads it); time it first
+        args.dtypes.remove("float32")
+        args.dtypes.insert(0, "float32")
+    if args.cases is not None:
+        try:
+            args.cases = [parse_case(text) for text in args.cases.split(",") if text.strip()]
+        except ValueError:
+            parser.error(f"--cases: expected BxHKVxS items like 1x8x64k, got {args.cases!r}")
+    if args.min_time is None:
+        args.min_time = 0.05 if args.quick else 0.5
+    if args.min_runs is None:
+        args.min_runs = 5 if args.quick else 20
+    return args
+
+
+def last_level_cache() -> str:
+    """Size of the largest CPU cache of cpu0 as Linux reports it ('?' when unknown)."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    best = (0, "?")
+    try:
+        for entry in os.listdir(base):
+            if entry.startswith("index"):
+                with open(os.path.join(base, entry, "level"), encoding="utf-8") as f:
+                    level = int(f.read())
+                with open(os.path.join(base, entry, "size"), encoding="utf-8") as f:
+                    size = f.read().strip()
+                best = max(best, (level, f"L{level} {size}"))
+    except (OSError, ValueError):
+        pass
+    return best[1]
+
+
+def print_header(info: dict) -> None:
+    rt = info["pyattn"]
+    print(f"pyattn bench_decode   {info['date']}")
+    print(
+        f"CPU: {info['cpu']} ({info['logical_cpus']} logical CPUs, last-level cache {info['llc']}); "
+        f"threads, every library: {info['threads']}"
+    )
+    print(
+        f"pyattn {rt.get('version')}: isa={rt.get('isa')} available={rt.get('available_isas')} "
+        f"openmp={rt.get('openmp')} compiler={rt.get('compiler')}"
+    )
+    print(f"numpy {np.__version__}; torch {info['torch']}")
+    bandwidth = info["read_bandwidth_gbs"]
+    print(f"streaming read bandwidth (measured now, {info['threads']} threads, 1 GiB): {bandwidth:.1f} GB/s")
+    bw_busy = info["read_bandwidth_background_cpus"]
+    if bw_busy is not None and bw_busy > BUSY_WARN_CPUS:
+        print(f"WARNING: other processes used {bw_busy:.1f} CPUs while the bandwidth was measured; %bw is suspect")
+    busy = info["busy_cpus_before"]
+    if busy is not None:
+        print(f"background load before the run: {busy:.1f} of {info['logical_cpus']} CPUs busy")
+        if busy > BUSY_WARN_CPUS:
+            print("WARNING: other processes are using the CPUs; timings will be noisy and slow")
+    print(
+        f"one decode step: q (B, {NUM_HEADS}, 1, {HEAD_DIM}) float32 over a cache of S tokens (Hkv heads, "
+        f"D = Dv = {HEAD_DIM}); timed call = cache.attend(q) after pre-filling S-1 tokens and appending 1"
+    )
+    print("ms = median after warm-up; GB/s = K+V bytes stored for S tokens / ms; %bw = of the read bandwidth above")
+    print(
+        "torch = F.scaled_dot_product_attention(enable_gqa=True), float32, on the float32 cache's memory; "
+        "torch x = torch ms / pyattn ms"
+    )
+    print(
+        f"max err vs ref = float64 reference on the stored (rounded) K/V, where B*S <= {REFERENCE_MAX_TOKENS}; "
+        "vs f32 = float32-cache ms / this ms"
+    )
+    print()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    pyattn = import_pyattn(args.isa, "bench_decode")
+    try:
+        import torch
+    except ImportError:
+        sys.exit("bench_decode: torch is required (it is the peer)")
+    if not hasattr(pyattn, "KVCache"):
+        sys.exit("bench_decode: this pyattn has no KVCache")
+    if any(d == "bfloat16" for d in args.dtypes):
+        try:
+            import ml_dtypes  # noqa: F401
+        except ImportError:
+            print("note: ml_dtypes is not installed; skipping the bfloat16 cache", file=sys.stderr)
+            args.dtypes.remove("bfloat16")
+    cases = args.cases or (QUICK if args.quick else SUITE)
+
+    busy = wait_for_idle(args.wait_idle)
+    bandwidth, bandwidth_bg = measure_bandwidth(pyattn, args)
+    info = {
+        "date": now_iso(),
+        "cpu": cpu_model(),
+        "llc": last_level_cache(),
+        "logical_cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "threads": args.threads,
+        "pyattn": dict(pyattn.runtime_info()),
+        "torch": torch.__version__,
+        "read_bandwidth_gbs": bandwidth,
+        "read_bandwidth_background_cpus": bandwidth_bg,
+        "busy_cpus_before": busy,
+        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "PYATTN_ISA") if k in os.environ},
+        "quick": args.quick,
+        "min_time_s": args.min_time,
+        "min_runs": args.min_runs,
+        "seed": args.seed,
+        "num_heads": NUM_HEADS,
+        "head_dim": HEAD_DIM,
+    }
+    print_header(info)
+
+    results: list[dict] = []
+    print(TABLE.header(), flush=True)
+    for case in cases:
+        for row in guarded_rows(pyattn, case, args, bandwidth):
+            results.append(row)
+            print(TABLE.add(cells(row)), flush=True)
+
+    if args.markdown:
+        print()
+        print(TABLE.markdown())
+    busy_after = busy_cpus()
+    info["busy_cpus_after"] = busy_after
+    if busy_after is not None and busy_after > BUSY_WARN_CPUS:
+        print(f"\nWARNING: background load after the run: {busy_after:.1f} CPUs busy; timings are suspect")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"machine": info, "results": results}, f, indent=1)
+        print(f"\nsaved {len(results)} rows to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,533 @@
+# SPDX-License-Identifier: MIT
+"""Benchmark the pyattn multi-head attention layer and the GEMM behind its projections.
+
+Run (from the repository root, with pyattn installed in the interpreter's environment)::
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_mha.py            # full suite
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_mha.py --quick    # smoke, < 30 s
+    python bench/bench_mha.py --threads 1 --markdown --json out.json
+
+OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE, when set, slow NumPy's BLAS (the numpy GEMM peer); the script
+never changes them, it prints a warning, hence the ``env -u`` above.
+
+Everything is float32 with the same thread count for every library (``--threads``, default
+os.cpu_count(); ``torch.set_num_threads``; NumPy's BLAS through threadpoolctl when installed). Each
+library is timed in its own block (warm-up, then all its repetitions, then the next library), never
+interleaved: two OpenMP runtimes spin-waiting side by side interfere on a small machine.
+
+Table 1, the layer: self-attention ``out = layer(x)`` with x (B, L, E), no mask, for BERT-base-sized
+(E=768, 12 heads; B in 1, 8; L in 128, 512) and MiniLM-sized (E=384, 12 heads, B=8, L=128) layers:
+
+* pyattn: ``pyattn.MultiHeadAttention.from_torch(module)`` (weights packed once), ``num_threads``;
+* torch: the same ``torch.nn.MultiheadAttention`` (batch_first=True, eval, ``torch.inference_mode()``,
+  ``need_weights=False``), i.e. what a PyTorch user runs for inference;
+* ref: ``pyattn.reference.mha``, the float64 NumPy reference (only on the L=128 shapes; it is a
+  correctness yardstick, not a tuned peer);
+* max err: max |pyattn - reference| on the shapes where the reference runs, else max |pyattn - torch|
+  (torch float32), column "vs".
+
+Table 2, the GEMM alone on the projection shapes (M = B*L, N = 3E for the fused Q/K/V projection or E
+for the output projection, K = E): ``pyattn._core.linear`` with pre-packed weights against NumPy's
+``np.matmul(x, w.T, out=...)`` and ``torch.mm(x, w.T, out=...)``; no bias; max err against a float64
+matmul.
+
+Columns: ms = median over runs after warm-up (runs repeat until both --min-time s and --min-runs runs);
+GFLOP/s from the formula below; %peak = of the FMA peak measured in this run
+(``pyattn._core.fma_peak_gflops(threads, 0.5)``, float32, best ISA); ``<peer> x`` = peer ms / pyattn
+ms (> 1: pyattn is faster); bg = CPUs other processes kept busy during the row.
+
+FLOP count: projections 2*M*N*K each (layer: Q, K, V and out, 8*B*L*E^2 in total) + attention
+4*B*H*L*S*Dh (= 4*B*L*S*E; q.k and p.v, 2*Dh each per (query, key) pair, S = L here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from _common import (
+    BUSY_WARN_CPUS,
+    ENVIRONMENT_HELP,
+    BackgroundLoad,
+    Column,
+    Table,
+    blas_thread_limiter,
+    busy_cpus,
+    cpu_model,
+    fmt,
+    fmt_ms,
+    import_pyattn,
+    now_iso,
+    numpy_blas_name,
+    openblas_env_warnings,
+    time_call,
+    wait_for_idle,
+)
+
+DTYPE = np.float32
+REFERENCE_MAX_LEN = 128  # the float64 reference runs (and is the error yardstick) only up to this L
+WARMUP = 2  # untimed calls per library and row (torch's first calls allocate and pick kernels)
+ROW_RETRIES = 2  # with --wait-idle: redo a row disturbed by other processes at most this often
+
+
+@dataclass(frozen=True)
+class LayerCase:
+    """A self-attention layer: x (batch, seq_len, embed_dim), num_heads heads."""
+
+    embed_dim: int
+    num_heads: int
+    batch: int
+    seq_len: int
+
+    @property
+    def name(self) -> str:
+        return f"E{self.embed_dim} H{self.num_heads} B{self.batch} L{self.seq_len}"
+
+    @property
+    def flops(self) -> int:
+        """8*M*E^2 (Q, K, V, out projections, 2*M*N*K each) + 4*B*L*S*E (attention, S = L)."""
+        m, e = self.batch * self.seq_len, self.embed_dim
+        return 8 * m * e * e + 4 * self.batch * self.seq_len * self.seq_len * e
+
+    @property
+    def small(self) -> bool:
+        return self.seq_len <= REFERENCE_MAX_LEN
+
+
+@dataclass(frozen=True)
+class GemmCase:
+    """out (m, n) = x (m, k) @ w.T, w (n, k)."""
+
+    m: int
+    n: int
+    k: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.m}x{self.n}x{self.k}"
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k
+
+
+LAYER_SUITE = (
+    LayerCase(768, 12, 1, 128),
+    LayerCase(768, 12, 1, 512),
+    LayerCase(768, 12, 8, 128),
+    LayerCase(768, 12, 8, 512),
+    LayerCase(384, 12, 8, 128),
+)
+QUICK_LAYERS = ("E768 H12 B1 L128", "E384 H12 B8 L128")
+
+
+def gemm_suite(layers) -> list[GemmCase]:
+    """The projection GEMMs of `layers`: (B*L, 3E, E) and (B*L, E, E), without duplicates."""
+    cases = []
+    for layer in layers:
+        m, e = layer.batch * layer.seq_len, layer.embed_dim
+        for case in (GemmCase(m, 3 * e, e), GemmCase(m, e, e)):
+            if case not in cases:
+                cases.append(case)
+    return cases
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs
+
+
+def torch_layer(case: LayerCase, rng: np.random.Generator):
+    """An eval-mode batch_first torch.nn.MultiheadAttention with random weights and biases."""
+    import torch
+
+    module = torch.nn.MultiheadAttention(case.embed_dim, case.num_heads, batch_first=True).eval()
+    with torch.no_grad():
+        for param in module.parameters():
+            fan_in = param.shape[-1] if param.ndim == 2 else case.embed_dim
+            values = rng.standard_normal(tuple(param.shape)) / np.sqrt(fan_in)
+            param.copy_(torch.from_numpy(values.astype(DTYPE)))
+    return module
+
+
+def max_abs_diff(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))))
+
+
+# ----------------------------------------------------------------------------------------------
+# Rows
+
+
+def layer_row(pyattn, case: LayerCase, args, peak) -> dict:
+    """Time pyattn, torch and (small shapes) the reference on one layer; all blocks separate."""
+    import torch
+
+    rng = np.random.default_rng(args.seed)
+    module = torch_layer(case, rng)
+    layer = pyattn.MultiHeadAttention.from_torch(module)
+    x = rng.standard_normal((case.batch, case.seq_len, case.embed_dim), dtype=DTYPE)
+    timing = dict(min_time=args.min_time, min_runs=args.min_runs, warmup=WARMUP)
+
+    t_pyattn, out = time_call(lambda: layer(x, num_threads=args.threads), **timing)
+
+    torch.set_num_threads(args.threads)
+    tx = torch.from_numpy(x)
+
+    def run_torch():
+        with torch.inference_mode():
+            return module(tx, tx, tx, need_weights=False)[0]
+
+    t_torch, torch_out = time_call(run_torch, **timing)
+    torch_out = torch_out.numpy()
+
+    row = {
+        "case": case.name,
+        "embed_dim": case.embed_dim,
+        "num_heads": case.num_heads,
+        "batch": case.batch,
+        "seq_len": case.seq_len,
+        "flops": case.flops,
+        "pyattn_ms": t_pyattn.median * 1e3,
+        "pyattn_min_ms": t_pyattn.min * 1e3,
+        "pyattn_runs": t_pyattn.runs,
+        "torch_ms": t_torch.median * 1e3,
+        "torch_runs": t_torch.runs,
+        "torch_vs_pyattn": t_torch.median / t_pyattn.median,
+        "reference_ms": None,
+        "reference_vs_pyattn": None,
+    }
+    row["gflops"] = case.flops / t_pyattn.median / 1e9
+    row["pct_fma_peak"] = 100 * row["gflops"] / peak if peak else None
+    if case.small:
+        weights = {k.replace(".", "_"): v for k, v in layer.state_dict().items()}
+        ref_timing = dict(timing, min_runs=min(args.min_runs, 3), warmup=1)
+        with args.blas_limit():
+            t_ref, ref = time_call(lambda: pyattn.reference.mha(x, num_heads=case.num_heads, **weights), **ref_timing)
+        row["reference_ms"] = t_ref.median * 1e3
+        row["reference_vs_pyattn"] = t_ref.median / t_pyattn.median
+        row["max_abs_err"], row["err_vs"] = max_abs_diff(out, ref), "ref"
+        row["torch_max_abs_err"] = max_abs_diff(torch_out, ref)
+    else:
+        row["max_abs_err"], row["err_vs"] = max_abs_diff(out, torch_out), "torch"
+        row["torch_max_abs_err"] = None
+    return row
+
+
+def gemm_row(pyattn, case: GemmCase, args, peak) -> dict:
+    """Time pyattn._core.linear (pre-packed), np.matmul and torch.mm on one GEMM shape."""
+    import torch
+
+    rng = np.random.default_rng(args.seed)
+    x = rng.standard_normal((case.m, case.k), dtype=DTYPE)
+    w = (rng.standard_normal((case.n, case.k)) / np.sqrt(case.k)).astype(DTYPE)
+    timing = dict(min_time=args.min_time, min_runs=args.min_runs, warmup=WARMUP)
+
+    packed, panel = pyattn._core.pack_weights(w)
+    out = np.empty((case.m, case.n), dtype=DTYPE)
+    t_pyattn, _ = time_call(lambda: pyattn._core.linear(x, packed, panel, case.n, None, out, args.threads), **timing)
+
+    out_np = np.empty_like(out)
+    w_t = w.T
+    with args.blas_limit():
+        t_numpy, _ = time_call(lambda: np.matmul(x, w_t, out=out_np), **timing)
+
+    torch.set_num_threads(args.threads)
+    tx, tw = torch.from_numpy(x), torch.from_numpy(w)
+    out_torch = torch.empty((case.m, case.n), dtype=torch.float32)
+    t_torch, _ = time_call(lambda: torch.mm(tx, tw.t(), out=out_torch), **timing)
+
+    exact = x.astype(np.float64) @ w.T.astype(np.float64)
+    gflops = case.flops / t_pyattn.median / 1e9
+    return {
+        "case": case.name,
+        "m": case.m,
+        "n": case.n,
+        "k": case.k,
+        "flops": case.flops,
+        "pyattn_ms": t_pyattn.median * 1e3,
+        "pyattn_min_ms": t_pyattn.min * 1e3,
+        "pyattn_runs": t_pyattn.runs,
+        "gflops": gflops,
+        "pct_fma_peak": 100 * gflops / peak if peak else None,
+        "max_abs_err": max_abs_diff(out, exact),
+        "numpy_ms": t_numpy.median * 1e3,
+        "numpy_gflops": case.flops / t_numpy.median / 1e9,
+        "numpy_vs_pyattn": t_numpy.median / t_pyattn.median,
+        "numpy_max_abs_err": max_abs_diff(out_np, exact),
+        "torch_ms": t_torch.median * 1e3,
+        "torch_gflops": case.flops / t_torch.median / 1e9,
+        "torch_vs_pyattn": t_torch.median / t_pyattn.median,
+        "torch_max_abs_err": max_abs_diff(out_torch.numpy(), exact),
+    }
+
+
+def measure_peak(pyattn, args) -> tuple[float, float | None]:
+    """FMA peak (GFLOP/s, float32, best ISA) and the background load while measuring it. A reading
+    taken while other processes were busy is too low, so retry (up to 3 readings) and keep the best."""
+    best, busy = 0.0, None
+    for _ in range(3):
+        with BackgroundLoad() as load:
+            peak = float(pyattn._core.fma_peak_gflops(args.threads, 0.1 if args.quick else 0.5))
+        if peak > best:
+            best, busy = peak, load.cpus
+        if load.cpus is None or load.cpus <= BUSY_WARN_CPUS:
+            break
+    return best, busy
+
+
+def guarded(run, pyattn, case, args, peak) -> dict:
+    """run(...) under a BackgroundLoad monitor; the row gets "background_cpus" and "attempts". With
+    --wait-idle, wait for idle CPUs first and redo a disturbed row (at most ROW_RETRIES times)."""
+    for attempt in range(1 + (ROW_RETRIES if args.wait_idle > 0 else 0)):
+        if args.wait_idle > 0:
+            wait_for_idle(args.wait_idle)
+        with BackgroundLoad() as load:
+            row = run(pyattn, case, args, peak)
+        row["background_cpus"], row["attempts"] = load.cpus, attempt + 1
+        if load.cpus is None or load.cpus <= BUSY_WARN_CPUS:
+            break
+        print(f"  note: {row['case']}: other processes used {load.cpus:.1f} CPUs", file=sys.stderr)
+    return row
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables
+
+
+LAYER_TABLE = Table(
+    [
+        Column("layer", 17, right=False),
+        Column("pyattn ms", 9),
+        Column("min ms", 7),
+        Column("GFLOP/s", 7),
+        Column("%peak", 5),
+        Column("max err", 7),
+        Column("vs", 5, right=False),
+        Column("torch ms", 8),
+        Column("torch x", 7),
+        Column("ref ms", 7),
+        Column("ref x", 5),
+        Column("bg", 3),
+    ]
+)
+GEMM_TABLE = Table(
+    [
+        Column("M x N x K", 15, right=False),
+        Column("pyattn ms", 9),
+        Column("GFLOP/s", 7),
+        Column("%peak", 5),
+        Column("max err", 7),
+        Column("numpy ms", 8),
+        Column("numpy GF/s", 10),
+        Column("numpy x", 7),
+        Column("torch ms", 8),
+        Column("torch GF/s", 10),
+        Column("torch x", 7),
+        Column("bg", 3),
+    ]
+)
+
+
+def layer_cells(row: dict) -> list[str]:
+    return [
+        row["case"],
+        fmt_ms(row["pyattn_ms"]),
+        fmt_ms(row["pyattn_min_ms"]),
+        fmt(row["gflops"], ".1f"),
+        fmt(row["pct_fma_peak"], ".0f"),
+        fmt(row["max_abs_err"], ".1e"),
+        row["err_vs"],
+        fmt_ms(row["torch_ms"]),
+        fmt(row["torch_vs_pyattn"], ".2f"),
+        fmt_ms(row["reference_ms"]),
+        fmt(row["reference_vs_pyattn"], ".1f"),
+        fmt(row.get("background_cpus"), ".1f"),
+    ]
+
+
+def gemm_cells(row: dict) -> list[str]:
+    return [
+        row["case"],
+        fmt_ms(row["pyattn_ms"]),
+        fmt(row["gflops"], ".1f"),
+        fmt(row["pct_fma_peak"], ".0f"),
+        fmt(row["max_abs_err"], ".1e"),
+        fmt_ms(row["numpy_ms"]),
+        fmt(row["numpy_gflops"], ".1f"),
+        fmt(row["numpy_vs_pyattn"], ".2f"),
+        fmt_ms(row["torch_ms"]),
+        fmt(row["torch_gflops"], ".1f"),
+        fmt(row["torch_vs_pyattn"], ".2f"),
+        fmt(row.get("background_cpus"), ".1f"),
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Time the pyattn multi-head attention layer and its projection GEMM against PyTorch "
+        "and NumPy (float32, same thread count).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=ENVIRONMENT_HELP.format(script="bench/bench_mha.py"),
+    )
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count(), help="threads for every library (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help=f"smoke test: layers {', '.join(QUICK_LAYERS)}, few runs (< 30 s)"
+    )
+    parser.add_argument(
+        "--layers",
+        default=None,
+        help="comma-separated filters; a layer (and its GEMM shapes) runs if a filter is a substring of its "
+        f"name (names: {', '.join(c.name for c in LAYER_SUITE)}; e.g. --layers 'B1 L128,E384')",
+    )
+    parser.add_argument("--no-gemm", action="store_true", help="skip the GEMM table")
+    parser.add_argument("--no-layer", action="store_true", help="skip the layer table")
+    parser.add_argument("--isa", default=None, help="force a pyattn ISA via pyattn._core._set_isa (e.g. avx2)")
+    parser.add_argument(
+        "--min-time", type=float, default=None, help="timed seconds per library and row (default 0.5, --quick 0.05)"
+    )
+    parser.add_argument("--min-runs", type=int, default=None, help="minimum timed runs (default 10, --quick 3)")
+    parser.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="shared machines: before each row wait up to SECONDS for other processes to go idle",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="random seed for weights and inputs")
+    parser.add_argument("--json", metavar="PATH", default=None, help="save machine info and all rows as JSON")
+    parser.add_argument("--markdown", action="store_true", help="also print the tables as Markdown at the end")
+    args = parser.parse_args(argv)
+    if args.threads is None or args.threads < 1:
+        parser.error("--threads must be >= 1")
+    if args.min_time is None:
+        args.min_time = 0.05 if args.quick else 0.5
+    if args.min_runs is None:
+        args.min_runs = 3 if args.quick else 10
+    return args
+
+
+def print_header(info: dict) -> None:
+    rt = info["pyattn"]
+    peak = info["fma_peak_gflops"]
+    print(f"pyattn bench_mha   {info['date']}")
+    print(f"CPU: {info['cpu']} ({info['logical_cpus']} logical CPUs); threads, every library: {info['threads']}")
+    print(
+        f"pyattn {rt.get('version')}: isa={rt.get('isa')} available={rt.get('available_isas')} "
+        f"openmp={rt.get('openmp')} compiler={rt.get('compiler')}"
+    )
+    print(f"numpy {np.__version__} ({info['numpy_blas']}); torch {info['torch']}")
+    print(f"FMA peak (measured now, float32, best ISA): {peak:.1f} GFLOP/s")
+    peak_busy = info["fma_peak_background_cpus"]
+    if peak_busy is not None and peak_busy > BUSY_WARN_CPUS:
+        print(f"WARNING: {peak_busy:.1f} CPUs were busy while measuring the FMA peak; %peak is overstated")
+    for line in openblas_env_warnings():
+        print(line)
+    busy = info["busy_cpus_before"]
+    if busy is not None:
+        print(f"background load before the run: {busy:.1f} of {info['logical_cpus']} CPUs busy")
+        if busy > BUSY_WARN_CPUS:
+            print("WARNING: other processes are using the CPUs; timings will be noisy and slow")
+    print("float32; ms = median over runs after warm-up (min ms = fastest); each library timed in its own block")
+    print("layer GFLOP/s = (8*B*L*E^2 [Q,K,V,out projections, 2*M*N*K each] + 4*B*H*L*S*Dh [attention]) / time")
+    print("GEMM GFLOP/s = 2*M*N*K / time; %peak = of the FMA peak above")
+    print(
+        "'<peer> x' = peer ms / pyattn ms (> 1: pyattn faster); torch = nn.MultiheadAttention "
+        "(eval, inference_mode, need_weights=False); ref = pyattn.reference.mha (float64 NumPy)"
+    )
+    print(
+        f"layer max err vs 'ref' (float64 reference, L <= {REFERENCE_MAX_LEN}) or 'torch' (float32); "
+        "GEMM max err vs a float64 matmul"
+    )
+    print()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    pyattn = import_pyattn(args.isa, "bench_mha")
+    try:
+        import torch
+    except ImportError:
+        sys.exit("bench_mha: torch is required (it is the peer and the source of the layer weights)")
+    if not hasattr(pyattn, "MultiHeadAttention"):
+        sys.exit("bench_mha: this pyattn has no MultiHeadAttention")
+    layers = [c for c in LAYER_SUITE if c.name in QUICK_LAYERS] if args.quick else list(LAYER_SUITE)
+    if args.layers:
+        filters = [f.strip() for f in args.layers.split(",") if f.strip()]
+        layers = [c for c in layers if any(f in c.name for f in filters)]
+        if not layers:
+            sys.exit("bench_mha: no layer matches --layers")
+    gemms = gemm_suite(layers)
+    args.blas_limit, blas_threads = blas_thread_limiter(args.threads)
+
+    busy = wait_for_idle(args.wait_idle)
+    peak, peak_busy = measure_peak(pyattn, args)
+    info = {
+        "date": now_iso(),
+        "cpu": cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "threads": args.threads,
+        "pyattn": dict(pyattn.runtime_info()),
+        "numpy_blas": f"{numpy_blas_name()}; BLAS threads: {blas_threads}",
+        "torch": torch.__version__,
+        "fma_peak_gflops": peak,
+        "fma_peak_background_cpus": peak_busy,
+        "busy_cpus_before": busy,
+        "env": {
+            k: os.environ[k]
+            for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OMP_NUM_THREADS", "PYATTN_ISA")
+            if k in os.environ
+        },
+        "quick": args.quick,
+        "min_time_s": args.min_time,
+        "min_runs": args.min_runs,
+        "seed": args.seed,
+    }
+    print_header(info)
+
+    results: dict[str, list[dict]] = {"layer": [], "gemm": []}
+    if not args.no_layer:
+        print("Layer: self-attention, x (B, L, E), no mask")
+        print(LAYER_TABLE.header(), flush=True)
+        for case in layers:
+            row = guarded(layer_row, pyattn, case, args, peak)
+            results["layer"].append(row)
+            print(LAYER_TABLE.add(layer_cells(row)), flush=True)
+        print()
+    if not args.no_gemm:
+        print("GEMM: out (M, N) = x (M, K) @ w.T, pyattn weights pre-packed, no bias")
+        print(GEMM_TABLE.header(), flush=True)
+        for case in gemms:
+            row = guarded(gemm_row, pyattn, case, args, peak)
+            results["gemm"].append(row)
+            print(GEMM_TABLE.add(gemm_cells(row)), flush=True)
+
+    if args.markdown:
+        for title, table in (("Layer", LAYER_TABLE), ("GEMM", GEMM_TABLE)):
+            if table.rows:
+                print(f"\n{title}\n")
+                print(table.markdown())
+    busy_after = busy_cpus()
+    info["busy_cpus_after"] = busy_after
+    if busy_after is not None and busy_after > BUSY_WARN_CPUS:
+        print(f"\nWARNING: background load after the run: {busy_after:.1f} CPUs busy; timings are suspect")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"machine": info, "results": results}, f, indent=1)
+        print(f"\nsaved {len(results['layer'])} layer and {len(results['gemm'])} GEMM rows to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
