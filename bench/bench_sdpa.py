@@ -116,7 +116,7 @@ SUITE = (
 )
 QUICK_SUITE = ("1x12x128x64", "1x12x512x64", "1x32x1x128 S=4096")
 VARIANTS = ("none", "causal", "mask")
-PEERS = ("numpy", "torch", "onnxruntime")
+PEERS = ("numpy", "torch", "onnxruntime", "ort-mha")
 ENV_RECORDED = (
     "OPENBLAS_CORETYPE",
     "OPENBLAS_L2_SIZE",
@@ -277,10 +277,56 @@ def make_onnxruntime_peer(case, variant, q, k, v, mask, threads):
     return lambda: session.run(None, feeds)[0]
 
 
+def make_ort_mha_peer(case, variant, q, k, v, mask, threads):
+    """onnxruntime's `com.microsoft.MultiHeadAttention` contrib op (its MLAS flash-attention path) on
+    q/k/v already projected, in the op's (B, L, H*D) layout (transposed once, outside the timing); an
+    explicit bool mask becomes the op's additive attention_bias (0 / -inf), causal its
+    `unidirectional` attribute."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    batch, heads, q_len, dim = q.shape
+    kv_len, vdim = k.shape[2], v.shape[3]
+
+    def packed(x):
+        return np.ascontiguousarray(x.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1))
+
+    feeds = {"q": packed(q), "k": packed(k), "v": packed(v)}
+    names = ["q", "k", "v"]
+    if mask is not None:
+        bias = np.where(np.broadcast_to(mask, (q_len, kv_len)), 0.0, -np.inf).astype(np.float32)
+        feeds["bias"] = bias.reshape(1, 1, q_len, kv_len)
+        names += ["", "", "bias"]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(feeds[n].shape)) for n in feeds]
+    output = helper.make_tensor_value_info("out", TensorProto.FLOAT, [batch, q_len, heads * vdim])
+    node = helper.make_node(
+        "MultiHeadAttention", names, ["out"], domain="com.microsoft", num_heads=heads,
+        unidirectional=int(peer_is_causal(case, variant)),
+    )
+    graph = helper.make_graph([node], "mha", inputs, [output])
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid("com.microsoft", 1)]
+    )
+    model.ir_version = min(model.ir_version, 10)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+    def run():
+        out = session.run(None, feeds)[0]
+        return out.reshape(batch, q_len, heads, vdim).transpose(0, 2, 1, 3)
+
+    return run
+
+
 PEER_FACTORIES: dict[str, Callable] = {
     "numpy": make_numpy_peer,
     "torch": make_torch_peer,
     "onnxruntime": make_onnxruntime_peer,
+    "ort-mha": make_ort_mha_peer,
 }
 
 
@@ -303,8 +349,7 @@ def detect_peers(wanted: list[str]) -> tuple[list[str], dict[str, str]]:
         try:
             import onnx  # noqa: F401  (builds the graph)
 
-            if "onnxruntime" in wanted:
-                available.append("onnxruntime")
+            available += [p for p in ("onnxruntime", "ort-mha") if p in wanted]
         except ImportError:
             versions["onnxruntime"] += " (onnx not installed, needed to build the graph: peer skipped)"
     except ImportError:
