@@ -26,7 +26,7 @@ _DIRECT_HALF_MAX_Q_LEN = 4
 
 
 def _is_half(dtype):
-    return dtype.name in _HALF_STORAGE
+    return dtype.itemsize == 2 and dtype.name in _HALF_STORAGE
 _CAUSAL = {False: None, True: "upper_left", "upper_left": "upper_left", "lower_right": "lower_right"}
 
 
@@ -59,15 +59,33 @@ def _as_heads(x):
     return x[np.newaxis] if x.ndim == 2 else x
 
 
-def _offsets(view, lead_shape):
-    """Element offset of each (batch..., head) slice of a broadcast view, flattened to int64."""
-    item = view.itemsize
-    off = np.zeros(lead_shape, dtype=np.int64)
-    grids = np.indices(lead_shape, sparse=True) if lead_shape else ()
-    for grid, n, stride in zip(grids, lead_shape, view.strides[: len(lead_shape)]):
-        if n > 1:
-            off += grid.astype(np.int64) * (stride // item)
-    return off.reshape(-1)
+def _lead_strides(x, lead_shape):
+    """Element strides of x's leading axes (all but its last two), aligned from the right with
+    lead_shape; 0 for axes x lacks or has with size 1 (broadcast: read again, never copied)."""
+    nd = max(x.ndim - 2, 0)
+    strides = [0] * len(lead_shape)
+    for i in range(1, nd + 1):
+        if x.shape[nd - i] != 1:
+            strides[-i] = x.strides[nd - i] // x.itemsize
+    return strides
+
+
+# Up to this many (batch, head) slices, offsets are built in plain Python (cheaper than NumPy calls).
+_SMALL_COUNT = 256
+
+
+def _offsets(lead_shape, strides, repeat=1):
+    """Element offset of every index of lead_shape (C order), given per-axis element strides, each
+    repeated `repeat` times (consecutive query heads sharing one key/value head)."""
+    if math.prod(lead_shape) * repeat <= _SMALL_COUNT:
+        offsets = [0]
+        for n, stride in zip(lead_shape, strides):
+            offsets = [o + i * stride for o in offsets for i in range(n)]
+        return [o for o in offsets for _ in range(repeat)]
+    offsets = np.zeros(1, dtype=np.int64)
+    for n, stride in zip(lead_shape, strides):
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * stride).reshape(-1)
+    return np.repeat(offsets, repeat)
 
 
 def _row_stride(x, axis):
@@ -236,7 +254,6 @@ def scaled_dot_product_attention(
     threads = _threads_value(num_threads)
 
     mask = None
-    mask_view = None
     if attn_mask is not None:
         mask = attn_mask if isinstance(attn_mask, np.ndarray) else np.asarray(attn_mask)
         if mask.dtype != np.bool_ and mask.dtype != dtype:
@@ -245,14 +262,14 @@ def scaled_dot_product_attention(
             mask = mask.astype(q.dtype)  # a 16-bit float mask, widened like the inputs
         # The kernels read the mask through arbitrary strides, the last axis included.
         mask = _kernel_layout(mask, contiguous_last=False, name="attn_mask")
+        full = batch + (num_q_heads, q_len, kv_len)
         try:
-            mask_view = np.broadcast_to(mask, batch + (num_q_heads, q_len, kv_len))
+            broadcastable = np.broadcast_shapes(mask.shape, full) == full
         except ValueError:
-            raise ValueError(
-                f"attn_mask: shape {mask.shape} is not broadcastable to {batch + (num_q_heads, q_len, kv_len)}"
-            ) from None
+            broadcastable = False
+        if not broadcastable:
+            raise ValueError(f"attn_mask: shape {mask.shape} is not broadcastable to {full}")
 
-    heads_shape = batch + (num_q_heads,)
     out_shape = (q_len, value_dim) if out_ndim == 2 else batch + (num_q_heads, q_len, value_dim)
     user_out = out
     if out is not None:
@@ -265,25 +282,26 @@ def scaled_dot_product_attention(
         weights = _allocate(w_shape, q.dtype, "return_weights")
 
     group = num_q_heads // num_kv_heads if num_kv_heads else 1
-    q_off = _offsets(np.broadcast_to(q, heads_shape + q.shape[-2:]), heads_shape)
+    heads_shape = batch + (num_q_heads,)
     kv_heads_shape = batch + (num_kv_heads,)
-    k_off = _offsets(np.broadcast_to(k, kv_heads_shape + k.shape[-2:]), kv_heads_shape)
-    v_off = _offsets(np.broadcast_to(v, kv_heads_shape + v.shape[-2:]), kv_heads_shape)
-    if group > 1:
-        k_off = np.repeat(k_off.reshape(-1, num_kv_heads), group, axis=1).reshape(-1)
-        v_off = np.repeat(v_off.reshape(-1, num_kv_heads), group, axis=1).reshape(-1)
-    if mask_view is not None:
-        m_off = _offsets(mask_view, heads_shape)
-        mask_strides = (_row_stride(mask_view, -2), _row_stride(mask_view, -1))
+    q_off = _offsets(heads_shape, _lead_strides(q, heads_shape))
+    # Query head h reads key/value head h // group: repeat each key/value head's offset group times.
+    k_off = _offsets(kv_heads_shape, _lead_strides(k, kv_heads_shape), group)
+    v_off = _offsets(kv_heads_shape, _lead_strides(v, kv_heads_shape), group)
+    mask_strides = [0, 0]
+    if mask is None:
+        m_off = [0] * len(q_off)
     else:
-        m_off = np.zeros_like(q_off)
-        mask_strides = (0, 0)
-    offsets = np.stack([q_off, k_off, v_off, m_off]) if q_off.size else np.zeros((4, 0), np.int64)
+        m_off = _offsets(heads_shape, _lead_strides(mask, heads_shape))
+        for axis in (-2, -1):
+            if mask.ndim >= -axis and mask.shape[axis] != 1:
+                mask_strides[axis] = mask.strides[axis] // mask.itemsize
+    offsets = np.array([q_off, k_off, v_off, m_off], dtype=np.int64).reshape(4, len(q_off))
 
     _core.sdpa(
-        q, k, v, mask, out, weights, np.ascontiguousarray(offsets, dtype=np.int64),
-        [_row_stride(q, -2), _row_stride(k, -2), _row_stride(v, -2), mask_strides[0], mask_strides[1]],
-        [q_off.size, q_len, kv_len, head_dim, value_dim, group],
+        q, k, v, mask, out, weights, offsets,
+        [_row_stride(q, -2), _row_stride(k, -2), _row_stride(v, -2), mask_strides[-2], mask_strides[-1]],
+        [len(q_off), q_len, kv_len, head_dim, value_dim, group],
         causal is not None, (kv_len - q_len) if causal == "lower_right" else 0,
         scale_value, threads, kv_storage=kv_storage,
     )
