@@ -286,6 +286,20 @@ struct Simd {
 
 #endif
 
+// Hint that [p, p + bytes) will be read soon, into L2 (decode streams K/V a block ahead).
+inline void prefetch_l2(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t x = 0; x < bytes; x += 64) {
+#if defined(_MSC_VER) && !defined(__clang__)
+#if defined(PYATTN_SIMD_AVX2) || defined(PYATTN_SIMD_AVX512)
+    _mm_prefetch(c + x, _MM_HINT_T1);
+#endif
+#else
+    __builtin_prefetch(c + x, 0, 2);
+#endif
+  }
+}
+
 // Bit x of the result is set when p[x * stride] != 0, for x < n <= 64 (mask bytes to bits; AVX2
 // compares 32 bytes at a time when they are contiguous, which the AVX-512 flavour also has).
 inline uint64_t nonzero_bits(const uint8_t* p, int64_t stride, int64_t n) {
