@@ -264,7 +264,7 @@ py::array_t<T> pack_weights_t(const py::array& w) {
   const int64_t panels = (n + panel - 1) / panel;
   py::array_t<T> packed(std::vector<py::ssize_t>{py::ssize_t(checked_mul(checked_mul(panels, k), panel))});
   check_aligned("weight", w);
-  if (k > 1 && w.strides(1) != py::ssize_t(sizeof(T))) fail("weight: last axis must be contiguous");
+  if (w.size() > 0 && k > 1 && w.strides(1) != py::ssize_t(sizeof(T))) fail("weight: last axis must be contiguous");
   const T* src = static_cast<const T*>(w.data());
   T* dst = packed.mutable_data();
   const int64_t w_stride = n > 1 ? w.strides(0) / int64_t(sizeof(T)) : 0;
@@ -294,7 +294,7 @@ void linear_t(const py::array& x, const py::array& packed, int64_t panel, int64_
       !(packed.flags() & py::array::c_style))
     fail("packed: size does not match (n, k)");
   check_aligned("x", x);
-  if (k > 1 && x.strides(1) != py::ssize_t(sizeof(T))) fail("x: last axis must be contiguous");
+  if (x.size() > 0 && k > 1 && x.strides(1) != py::ssize_t(sizeof(T))) fail("x: last axis must be contiguous");
   if (!(out.flags() & py::array::c_style) || !out.writeable()) fail("out: must be C-contiguous and writeable");
   GemmArgs<T> g;
   g.a = static_cast<const T*>(x.data());

@@ -266,7 +266,7 @@ def _forward(w, query, key, value, attn_mask, key_padding_mask, is_causal, need_
 
 def mha(query, key=None, value=None, *, num_heads, in_proj_weight=None, in_proj_bias=None, q_proj_weight=None,
         k_proj_weight=None, v_proj_weight=None, q_proj_bias=None, k_proj_bias=None, v_proj_bias=None,
-        out_proj_weight=None, out_proj_bias=None, attn_mask=None, key_padding_mask=None, is_causal=False,
+        out_proj_weight, out_proj_bias=None, attn_mask=None, key_padding_mask=None, is_causal=False,
         need_weights=False, average_attn_weights=True, num_kv_heads=None, kv_cache=None, num_new=None,
         left_padded=False, num_threads=None):
     """Multi-head attention (inference) with torch.nn.MultiheadAttention's weights and conventions.
