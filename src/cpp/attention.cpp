@@ -263,10 +263,11 @@ void scaled_dot_product_attention(const AttnArgs<T>& a, int num_threads) {
   if (split.count > 1) partials.reset(new AlignedBuffer<T>(sstate * size_t(items)));
 
   auto tile_of = [&](int64_t task) {
-    // Last query blocks first: under a causal mask they have the most keys.
-    const int64_t qb = q_blocks - 1 - task / a.batch_heads;
+    // Head by head, so a core's consecutive tiles reuse the head's K and V from its L2; within a
+    // head, last query blocks first: under a causal mask they have the most keys.
+    const int64_t bh = task / q_blocks;
+    const int64_t qb = q_blocks - 1 - task % q_blocks;
     const int64_t i0 = qb * block_rows;
-    const int64_t bh = task % a.batch_heads;
     return Tile{bh, i0, std::min(block_rows, a.q_len - i0), 0, a.kv_len_of(bh)};
   };
   auto out_row_of = [&](const Tile& t) {
