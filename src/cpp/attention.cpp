@@ -15,6 +15,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
+#include <new>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -25,6 +27,9 @@
 
 #if defined(PYATTN_OPENMP)
 #include <omp.h>
+#endif
+#if defined(__linux__)
+#include <sys/mman.h>
 #endif
 
 namespace pyattn {
@@ -74,6 +79,36 @@ class AlignedBuffer {
  private:
   std::vector<unsigned char> raw_;
   T* data_ = nullptr;
+};
+
+// A large read-only-benchmark buffer, 2 MiB aligned and advised as huge pages on Linux.
+class HugeBuffer {
+ public:
+  explicit HugeBuffer(size_t bytes) {
+    constexpr size_t kHuge = size_t(2) << 20;
+    const size_t size = (bytes + kHuge - 1) / kHuge * kHuge;
+#if defined(__linux__)
+    if (posix_memalign(&data_, kHuge, size) != 0) throw std::bad_alloc();
+    madvise(data_, size, MADV_HUGEPAGE);
+#else
+    raw_.resize(size + kHuge);
+    void* p = raw_.data();
+    size_t space = raw_.size();
+    data_ = std::align(kHuge, size, p, space);
+#endif
+  }
+  ~HugeBuffer() {
+#if defined(__linux__)
+    std::free(data_);
+#endif
+  }
+  HugeBuffer(const HugeBuffer&) = delete;
+  HugeBuffer& operator=(const HugeBuffer&) = delete;
+  void* data() { return data_; }
+
+ private:
+  void* data_ = nullptr;
+  std::vector<unsigned char> raw_;
 };
 
 // Carves one item's running state (acc, m, l) out of `base`.
@@ -369,8 +404,11 @@ double read_bandwidth_gbs(int num_threads, int64_t nbytes) {
   const KernelTable& kt = active_kernels();
   const int threads = std::max(1, num_threads);
   const int64_t n = std::max<int64_t>(nbytes / int64_t(sizeof(float)), 1024);
-  AlignedBuffer<float> buf{size_t(n)};
-  float* data = buf.data();
+  // Backed by transparent huge pages where the OS offers them, like NumPy's large arrays (NumPy
+  // madvises them): with 4 KiB pages the hardware prefetchers stop at every page boundary and the
+  // "ceiling" would be measured well below what attention on NumPy arrays can reach.
+  HugeBuffer buf(size_t(n) * sizeof(float));
+  float* data = static_cast<float*>(buf.data());
   const int64_t per = ceil_div(n, threads);
   // First touch by the thread that will read each part (NUMA placement), values nonzero.
   parallel_for(threads, threads, [&](int64_t c) {
