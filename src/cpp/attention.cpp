@@ -51,13 +51,6 @@ constexpr size_t kAlign = 64;  // cache line
 
 int g_default_threads = 0;
 
-template <class T>
-const KernelSet<T>& kernel_set(const KernelTable& t);
-template <>
-const KernelSet<float>& kernel_set<float>(const KernelTable& t) { return t.f32; }
-template <>
-const KernelSet<double>& kernel_set<double>(const KernelTable& t) { return t.f64; }
-
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 size_t padded(size_t elems, size_t elem_size) {
@@ -274,7 +267,7 @@ void attend_decode(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_threads
 template <class T>
 void scaled_dot_product_attention(const AttnArgs<T>& a, int num_threads) {
   if (a.batch_heads == 0 || a.q_len == 0) return;
-  const KernelSet<T>& ks = kernel_set<T>(active_kernels());
+  const KernelSet<T>& ks = active_set<T>();
   const int threads_wanted = num_threads > 0 ? num_threads : default_num_threads();
   if (!a.weights && (a.q_len <= kDecodeMaxLen || a.kv_storage != Storage::same))
     return attend_decode(a, ks, threads_wanted);

@@ -178,6 +178,14 @@ namespace avx512 { const KernelTable& kernel_table(); }
 
 // dispatch.cpp
 const KernelTable& active_kernels();
+
+// The active ISA's kernels for dtype T.
+template <class T>
+const KernelSet<T>& active_set();
+template <>
+inline const KernelSet<float>& active_set<float>() { return active_kernels().f32; }
+template <>
+inline const KernelSet<double>& active_set<double>() { return active_kernels().f64; }
 const char* active_isa();
 // Names compiled into this build and supported by this CPU, best last; returns the count.
 int available_isas(const char** names, int capacity);

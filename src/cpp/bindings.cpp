@@ -93,13 +93,6 @@ void check_block(const char* name, const py::array& arr, const int64_t* off, int
   }
 }
 
-template <class T>
-const KernelSet<T>& kernels_of();
-template <>
-const KernelSet<float>& kernels_of<float>() { return active_kernels().f32; }
-template <>
-const KernelSet<double>& kernels_of<double>() { return active_kernels().f64; }
-
 bool is_float32(const py::array& a) { return a.dtype().is(py::dtype::of<float>()); }
 bool is_float64(const py::array& a) { return a.dtype().is(py::dtype::of<double>()); }
 bool is_bool(const py::array& a) { return a.dtype().kind() == 'b' && a.itemsize() == 1; }
@@ -259,7 +252,7 @@ void sdpa(const py::array& q, const py::array& k, const py::array& v, const py::
 
 template <class T>
 py::array_t<T> pack_weights_t(const py::array& w) {
-  const KernelSet<T>& ks = kernels_of<T>();
+  const KernelSet<T>& ks = active_set<T>();
   const int64_t n = w.shape(0), k = w.shape(1), panel = ks.gemm_panel;
   const int64_t panels = (n + panel - 1) / panel;
   py::array_t<T> packed(std::vector<py::ssize_t>{py::ssize_t(checked_mul(checked_mul(panels, k), panel))});
@@ -276,15 +269,15 @@ py::array_t<T> pack_weights_t(const py::array& w) {
 // Packs a (n, k) weight for the active ISA's GEMM; returns (packed, panel).
 py::tuple pack_weights_py(const py::array& w) {
   if (w.ndim() != 2) fail("weight: expected a 2-D array (out_features, in_features)");
-  if (is_float32(w)) return py::make_tuple(pack_weights_t<float>(w), kernels_of<float>().gemm_panel);
-  if (is_float64(w)) return py::make_tuple(pack_weights_t<double>(w), kernels_of<double>().gemm_panel);
+  if (is_float32(w)) return py::make_tuple(pack_weights_t<float>(w), active_set<float>().gemm_panel);
+  if (is_float64(w)) return py::make_tuple(pack_weights_t<double>(w), active_set<double>().gemm_panel);
   fail("weight: dtype must be float32 or float64");
 }
 
 template <class T>
 void linear_t(const py::array& x, const py::array& packed, int64_t panel, int64_t n, const py::object& bias_obj,
               py::array& out, int num_threads) {
-  const KernelSet<T>& ks = kernels_of<T>();
+  const KernelSet<T>& ks = active_set<T>();
   if (panel != ks.gemm_panel) fail("packed weight was packed for another ISA; pack it again");
   if (x.ndim() != 2 || out.ndim() != 2) fail("x and out must be 2-D");
   const int64_t m = x.shape(0), k = x.shape(1);
@@ -334,7 +327,7 @@ int64_t row_matrix(const char* name, const py::array& x, int64_t rows, int64_t c
 
 template <class T>
 const T* packed_weight(const char* name, const py::array& p, int64_t n, int64_t k) {
-  const int64_t panel = kernels_of<T>().gemm_panel;
+  const int64_t panel = active_set<T>().gemm_panel;
   if (!p.dtype().is(py::dtype::of<T>()) || p.ndim() != 1 || !(p.flags() & py::array::c_style) ||
       p.size() != checked_mul(checked_mul((n + panel - 1) / panel, k), panel))
     fail(std::string(name) + ": packed weight does not match its shape or the active ISA; pack it again");

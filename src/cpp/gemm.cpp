@@ -16,13 +16,6 @@
 namespace pyattn {
 namespace {
 
-template <class T>
-const KernelSet<T>& kernels_for(const KernelTable& t);
-template <>
-const KernelSet<float>& kernels_for<float>(const KernelTable& t) { return t.f32; }
-template <>
-const KernelSet<double>& kernels_for<double>(const KernelTable& t) { return t.f64; }
-
 // Rows per task: 16 register tiles (96 rows on AVX2/AVX-512) amortise the panel's trip through L2.
 constexpr int64_t kTilesPerTask = 16;
 
@@ -48,7 +41,7 @@ void pack_weights(const T* w, int64_t w_stride, int64_t n, int64_t k, int64_t pa
 template <class T>
 void linear(const GemmArgs<T>& g, int num_threads) {
   if (g.m == 0 || g.n == 0) return;
-  const KernelSet<T>& ks = kernels_for<T>(active_kernels());
+  const KernelSet<T>& ks = active_set<T>();
   const int64_t panels = (g.n + ks.gemm_panel - 1) / ks.gemm_panel;
   const int64_t rows_per_task = kTilesPerTask * ks.gemm_rows;
   const int64_t row_blocks = (g.m + rows_per_task - 1) / rows_per_task;
