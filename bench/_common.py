@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import json
 import os
 import platform
 import statistics
@@ -289,3 +290,17 @@ def fmt(value: float | None, spec: str) -> str:
     if value is None or value != value:
         return "-"
     return format(value, spec)
+
+
+def finish_run(info: dict, json_path: str | None, results, summary: str) -> None:
+    """End of every bench script: warn when other processes loaded the machine during the run,
+    and save machine info + results as JSON when asked (`summary` says what was saved)."""
+    busy_after = busy_cpus()
+    info["busy_cpus_after"] = busy_after
+    if busy_after is not None and busy_after > BUSY_WARN_CPUS:
+        print(f"\nWARNING: background load after the run: {busy_after:.1f} CPUs busy; timings are suspect")
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump({"machine": info, "results": results}, f, indent=1)
+        print(f"\nsaved {summary} to {json_path}")
+

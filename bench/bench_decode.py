@@ -43,7 +43,6 @@ shape and redoes disturbed ones).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -57,7 +56,6 @@ from _common import (
     BackgroundLoad,
     Column,
     Table,
-    busy_cpus,
     cpu_model,
     fmt,
     fmt_ms,
@@ -65,6 +63,7 @@ from _common import (
     now_iso,
     time_call,
     wait_for_idle,
+    finish_run,
 )
 
 NUM_HEADS = 32
@@ -483,14 +482,7 @@ def main(argv=None) -> int:
     if args.markdown:
         print()
         print(TABLE.markdown())
-    busy_after = busy_cpus()
-    info["busy_cpus_after"] = busy_after
-    if busy_after is not None and busy_after > BUSY_WARN_CPUS:
-        print(f"\nWARNING: background load after the run: {busy_after:.1f} CPUs busy; timings are suspect")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"machine": info, "results": results}, f, indent=1)
-        print(f"\nsaved {len(results)} rows to {args.json}")
+    finish_run(info, args.json, results, f"{len(results)} rows")
     return 0
 
 

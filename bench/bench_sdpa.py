@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import platform
@@ -62,7 +61,6 @@ from _common import (
     Column,
     Table,
     blas_thread_limiter,
-    busy_cpus,
     cpu_model,
     fmt,
     fmt_ms,
@@ -73,6 +71,7 @@ from _common import (
     openblas_env_warnings,
     time_call,
     wait_for_idle,
+    finish_run,
 )
 
 DTYPE = np.float32
@@ -282,7 +281,6 @@ def make_ort_mha_peer(case, variant, q, k, v, mask, threads):
     q/k/v already projected, in the op's (B, L, H*D) layout (transposed once, outside the timing); an
     explicit bool mask becomes the op's additive attention_bias (0 / -inf), causal its
     `unidirectional` attribute."""
-    import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
@@ -707,14 +705,7 @@ def main(argv=None) -> int:
     if args.markdown:
         print()
         print(table.markdown())
-    busy_after = busy_cpus()
-    info["busy_cpus_after"] = busy_after
-    if busy_after is not None and busy_after > BUSY_WARN_CPUS:
-        print(f"\nWARNING: background load after the run: {busy_after:.1f} CPUs busy; timings are suspect")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"machine": info, "results": rows}, f, indent=1)
-        print(f"\nsaved {len(rows)} rows to {args.json}")
+    finish_run(info, args.json, rows, f"{len(rows)} rows")
     return 0
 
 
