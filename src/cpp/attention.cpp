@@ -14,6 +14,7 @@
 // bounded by kTaskTarget tasks' worth. Nothing is O(q_len * kv_len) except the caller's weights.
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <new>
@@ -49,7 +50,7 @@ constexpr int64_t kDecodeBlock = 32;  // = decode.inc's block; only used to roun
 constexpr int64_t kDecodeMinChunk = 256;
 constexpr size_t kAlign = 64;  // cache line
 
-int g_default_threads = 0;
+std::atomic<int> g_default_threads{0};  // set_num_threads(); read by every call, from any thread
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -335,7 +336,8 @@ template void scaled_dot_product_attention<float>(const AttnArgs<float>&, int);
 template void scaled_dot_product_attention<double>(const AttnArgs<double>&, int);
 
 int default_num_threads() {
-  if (g_default_threads > 0) return g_default_threads;
+  const int n = g_default_threads.load(std::memory_order_relaxed);
+  if (n > 0) return n;
 #if defined(PYATTN_OPENMP)
   return omp_get_max_threads();
 #else
@@ -343,7 +345,7 @@ int default_num_threads() {
 #endif
 }
 
-void set_default_num_threads(int n) { g_default_threads = n > 0 ? n : 0; }
+void set_default_num_threads(int n) { g_default_threads.store(n > 0 ? n : 0, std::memory_order_relaxed); }
 
 bool openmp_enabled() {
 #if defined(PYATTN_OPENMP)
