@@ -110,6 +110,21 @@ struct Simd<float> {
     return _mm512_mask_blend_ps(tiny, mul(p, pow2n), zero());
   }
   static float hsum(reg x) { return _mm512_reduce_add_ps(x); }
+  // Lane i of the result = hsum(x[i]) for 16 vectors: a transpose folded into the additions (unpack
+  // pairs of floats, then of float pairs, then 128-bit quarters twice), 30 shuffles + 15 adds for 16
+  // sums instead of 16 separate reductions of 4 dependent steps each.
+  static reg hsum_lanes(const reg* x) {
+    reg h2[8], h4[4], h8[2];
+    for (int i = 0; i < 8; ++i)
+      h2[i] = add(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {
+      const __m512d a = _mm512_castps_pd(h2[2 * i]), b = _mm512_castps_pd(h2[2 * i + 1]);
+      h4[i] = add(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; ++i)
+      h8[i] = add(_mm512_shuffle_f32x4(h4[2 * i], h4[2 * i + 1], 0x88), _mm512_shuffle_f32x4(h4[2 * i], h4[2 * i + 1], 0xdd));
+    return add(_mm512_shuffle_f32x4(h8[0], h8[1], 0x88), _mm512_shuffle_f32x4(h8[0], h8[1], 0xdd));
+  }
   // float16 (IEEE binary16) and bfloat16 bit patterns to float32, one vector.
   static reg load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static reg load_bf16(const uint16_t* p) {
@@ -158,6 +173,14 @@ struct Simd<double> {
     const __m256d h = _mm256_add_pd(_mm512_castpd512_pd256(x), _mm512_extractf64x4_pd(x, 1));
     const __m128d s = _mm_add_pd(_mm256_castpd256_pd128(h), _mm256_extractf128_pd(h, 1));
     return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+  }
+  // Lane i of the result = hsum(x[i]) for 8 vectors (see Simd<float>::hsum_lanes).
+  static reg hsum_lanes(const reg* x) {
+    reg h2[4], h4[2];
+    for (int i = 0; i < 4; ++i) h2[i] = add(_mm512_unpacklo_pd(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_pd(x[2 * i], x[2 * i + 1]));
+    for (int i = 0; i < 2; ++i)
+      h4[i] = add(_mm512_shuffle_f64x2(h2[2 * i], h2[2 * i + 1], 0x88), _mm512_shuffle_f64x2(h2[2 * i], h2[2 * i + 1], 0xdd));
+    return add(_mm512_shuffle_f64x2(h4[0], h4[1], 0x88), _mm512_shuffle_f64x2(h4[0], h4[1], 0xdd));
   }
 };
 
@@ -209,6 +232,18 @@ struct Simd<float> {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  // Lane i of the result = hsum(x[i]) for 8 vectors: unpack pairs of floats, then of float pairs,
+  // then swap 128-bit halves (a transpose folded into the additions).
+  static reg hsum_lanes(const reg* x) {
+    reg h2[4], h4[2];
+    for (int i = 0; i < 4; ++i)
+      h2[i] = add(_mm256_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm256_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+    for (int i = 0; i < 2; ++i) {
+      const __m256d a = _mm256_castps_pd(h2[2 * i]), b = _mm256_castps_pd(h2[2 * i + 1]);
+      h4[i] = add(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+    }
+    return add(_mm256_permute2f128_ps(h4[0], h4[1], 0x20), _mm256_permute2f128_ps(h4[0], h4[1], 0x31));
+  }
   static reg load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static reg load_bf16(const uint16_t* p) {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -255,6 +290,12 @@ struct Simd<double> {
     __m128d s = _mm_add_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
     return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
   }
+  // Lane i of the result = hsum(x[i]) for 4 vectors (see Simd<float>::hsum_lanes).
+  static reg hsum_lanes(const reg* x) {
+    const reg ab = add(_mm256_unpacklo_pd(x[0], x[1]), _mm256_unpackhi_pd(x[0], x[1]));
+    const reg cd = add(_mm256_unpacklo_pd(x[2], x[3]), _mm256_unpackhi_pd(x[2], x[3]));
+    return add(_mm256_permute2f128_pd(ab, cd, 0x20), _mm256_permute2f128_pd(ab, cd, 0x31));
+  }
 };
 
 #else  // generic: one lane, plain C++ (any architecture); libm's exp2 is exact to < 1 ULP
@@ -280,25 +321,12 @@ struct Simd {
   static reg neg_inf_to_zero(reg x) { return x == -std::numeric_limits<T>::infinity() ? T(0) : x; }
   static reg exp2(reg x) { return std::exp2(x); }
   static T hsum(reg x) { return x; }
+  static reg hsum_lanes(const reg* x) { return x[0]; }
   static reg load_f16(const uint16_t* p) { return T(half_to_float(*p)); }
   static reg load_bf16(const uint16_t* p) { return T(bf16_to_float(*p)); }
 };
 
 #endif
-
-// Hint that [p, p + bytes) will be read soon, into L2 (decode streams K/V a block ahead).
-inline void prefetch_l2(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t x = 0; x < bytes; x += 64) {
-#if defined(_MSC_VER) && !defined(__clang__)
-#if defined(PYATTN_SIMD_AVX2) || defined(PYATTN_SIMD_AVX512)
-    _mm_prefetch(c + x, _MM_HINT_T1);
-#endif
-#else
-    __builtin_prefetch(c + x, 0, 2);
-#endif
-  }
-}
 
 // Bit x of the result is set when p[x * stride] != 0, for x < n <= 64 (mask bytes to bits; AVX2
 // compares 32 bytes at a time when they are contiguous, which the AVX-512 flavour also has).
