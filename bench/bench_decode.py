@@ -32,7 +32,11 @@ Columns: ms = median over runs after warm-up (runs repeat until --min-time s and
 GB/s = bytes of K and V actually stored for the S filled tokens (B*Hkv*S*(D+Dv)*itemsize of the
 storage dtype; each K/V row is read once per GQA group) / median time; %bw = of the streaming read
 bandwidth measured at start-up in the same run (``pyattn._core.read_bandwidth_gbs(T, 1 << 30)``);
-rows whose K+V fit in the last-level cache can exceed 100%. max err = max |pyattn - ref| where the
+rows whose K+V fit in the last-level cache can exceed 100%. read = GB/s of a plain streaming read of
+this row's own K and V arrays (``pyattn._core.read_buffers_gbs([K, V], T)``, same threads, measured
+just before the row): the ceiling for exactly these pages, which also reflects whether the OS backed
+them (and the 1 GiB buffer) with transparent huge pages, worth up to 2x on some machines; %rd =
+GB/s / read, the fraction of that ceiling the decode step reaches. max err = max |pyattn - ref| where the
 reference runs, else (float32 rows only) max |pyattn - torch|; column "vs" says which.
 torch x = torch ms / pyattn ms (> 1: pyattn is faster); vs f32 = pyattn float32-cache ms / this row's
 ms (the speedup of 16-bit storage at the same length); bg = CPUs other processes kept busy while
@@ -185,6 +189,8 @@ def case_rows(pyattn, case: Case, args, bandwidth) -> list[dict]:
     f32_ms = None
     for name in args.dtypes:
         cache = f32 if name == "float32" else filled_cache(pyattn, case, name, rng, source=f32)
+        kv_bytes = [cache.keys().view(np.uint8), cache.values().view(np.uint8)]  # any dtype (ml_dtypes too)
+        read_gbs = float(pyattn._core.read_buffers_gbs(kv_bytes, args.threads))
         t_pyattn, out = time_call(lambda c=cache: c.attend(q, num_threads=args.threads), **timing)
         ms = t_pyattn.median * 1e3
         nbytes = case.kv_bytes(cache.dtype.itemsize)
@@ -203,6 +209,8 @@ def case_rows(pyattn, case: Case, args, bandwidth) -> list[dict]:
             "pyattn_runs": t_pyattn.runs,
             "gbs": gbs,
             "pct_read_bw": 100 * gbs / bandwidth if bandwidth else None,
+            "own_read_gbs": read_gbs,
+            "pct_own_read": 100 * gbs / read_gbs,
             "torch_ms": t_torch.median * 1e3,
             "torch_runs": t_torch.runs,
             "torch_gbs": case.kv_bytes(4) / t_torch.median / 1e9,
@@ -274,6 +282,8 @@ TABLE = Table(
         Column("ms", 7),
         Column("GB/s", 5),
         Column("%bw", 4),
+        Column("read", 5),
+        Column("%rd", 4),
         Column("max err", 7),
         Column("vs", 5, right=False),
         Column("torch ms", 8),
@@ -293,6 +303,8 @@ def cells(row: dict) -> list[str]:
         fmt_ms(row["pyattn_ms"]),
         fmt(row["gbs"], ".1f"),
         fmt(row["pct_read_bw"], ".0f"),
+        fmt(row["own_read_gbs"], ".1f"),
+        fmt(row["pct_own_read"], ".0f"),
         fmt(row["max_abs_err"], ".1e"),
         row["err_vs"] or "-",
         fmt_ms(row["torch_ms"]),
@@ -419,7 +431,8 @@ def print_header(info: dict) -> None:
         f"one decode step: q (B, {NUM_HEADS}, 1, {HEAD_DIM}) float32 over a cache of S tokens (Hkv heads, "
         f"D = Dv = {HEAD_DIM}); timed call = cache.attend(q) after pre-filling S-1 tokens and appending 1"
     )
-    print("ms = median after warm-up; GB/s = K+V bytes stored for S tokens / ms; %bw = of the read bandwidth above")
+    print("ms = median after warm-up; GB/s = K+V bytes stored for S tokens / ms; %bw = of the read bandwidth above;"
+          " read = streaming read of this row's own K and V arrays (GB/s); %rd = GB/s / read")
     print(
         "torch = F.scaled_dot_product_attention(enable_gqa=True), float32, on the float32 cache's memory; "
         "torch x = torch ms / pyattn ms"

@@ -26,6 +26,10 @@
 
 #include "attention.h"
 
+#if defined(__SSE2__) || defined(_M_X64)
+#include <emmintrin.h>
+#endif
+
 #if defined(PYATTN_OPENMP)
 #include <omp.h>
 #endif
@@ -394,34 +398,74 @@ double fma_peak_gflops(int num_threads, double seconds) {
   return flops / std::chrono::duration<double>(clock::now() - t0).count() * 1e-9;
 }
 
-double read_bandwidth_gbs(int num_threads, int64_t nbytes) {
+// XOR of every byte of [p, p + bytes), 64 bytes per step: an integer reduction, so any bit pattern
+// (16-bit floats, NaN payloads, denormals) costs the same, and four independent chains of the
+// baseline ISA's 16-byte loads keep far ahead of memory.
+uint64_t xor_bytes(const unsigned char* p, int64_t bytes) {
+  int64_t i = 0;
+  uint64_t out = 0;
+#if defined(__SSE2__) || defined(_M_X64)
+  __m128i acc[4] = {_mm_setzero_si128(), _mm_setzero_si128(), _mm_setzero_si128(), _mm_setzero_si128()};
+  for (; i + 64 <= bytes; i += 64)
+    for (int w = 0; w < 4; ++w)
+      acc[w] = _mm_xor_si128(acc[w], _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i + 16 * w)));
+  alignas(16) uint64_t lanes[2];
+  _mm_store_si128(reinterpret_cast<__m128i*>(lanes), _mm_xor_si128(_mm_xor_si128(acc[0], acc[1]), _mm_xor_si128(acc[2], acc[3])));
+  out = lanes[0] ^ lanes[1];
+#endif
+  uint64_t acc64[4] = {0, 0, 0, 0};
+  for (; i + 32 <= bytes; i += 32)
+    for (int w = 0; w < 4; ++w) {
+      uint64_t x;
+      std::memcpy(&x, p + i + 8 * w, 8);
+      acc64[w] ^= x;
+    }
+  for (; i < bytes; ++i) out ^= p[i];
+  return out ^ acc64[0] ^ acc64[1] ^ acc64[2] ^ acc64[3];
+}
+
+double read_buffers_gbs(const std::vector<std::pair<const void*, int64_t>>& buffers, int num_threads) {
   using clock = std::chrono::steady_clock;
-  const KernelTable& kt = active_kernels();
   const int threads = std::max(1, num_threads);
-  const int64_t n = std::max<int64_t>(nbytes / int64_t(sizeof(float)), 1024);
-  // Backed by transparent huge pages where the OS offers them, like NumPy's large arrays (NumPy
-  // madvises them): with 4 KiB pages the hardware prefetchers stop at every page boundary and the
-  // "ceiling" would be measured well below what attention on NumPy arrays can reach.
-  HugeBuffer buf(size_t(n) * sizeof(float));
-  float* data = static_cast<float*>(buf.data());
-  const int64_t per = ceil_div(n, threads);
-  // First touch by the thread that will read each part (NUMA placement), values nonzero.
-  parallel_for(threads, threads, [&](int64_t c) {
-    for (int64_t i = c * per; i < std::min(n, (c + 1) * per); ++i) data[i] = 1.0f;
-  });
-  double best = 0, sink = 0;
+  int64_t total = 0;
+  for (const auto& b : buffers) total += b.second;
+  double best = 0;
+  uint64_t sink = 0;
   for (int rep = 0; rep < 5; ++rep) {
-    std::vector<double> sums(size_t(threads), 0.0);
+    std::vector<uint64_t> x(size_t(threads), 0);
     const auto t0 = clock::now();
     parallel_for(threads, threads, [&](int64_t c) {
-      const int64_t b = c * per, e = std::min(n, (c + 1) * per);
-      if (e > b) sums[size_t(c)] = kt.read_sum(data + b, e - b);
+      for (const auto& b : buffers) {
+        // Thread c reads the c-th of `threads` equal parts of each buffer (64-byte aligned cuts).
+        const int64_t per = ceil_div(ceil_div(b.second, threads), 64) * 64;
+        const int64_t lo = std::min(b.second, c * per), hi = std::min(b.second, (c + 1) * per);
+        x[size_t(c)] ^= xor_bytes(static_cast<const unsigned char*>(b.first) + lo, hi - lo);
+      }
     });
     const double dt = std::chrono::duration<double>(clock::now() - t0).count();
-    for (double x : sums) sink += x;
-    best = std::max(best, double(n) * sizeof(float) / dt * 1e-9);
+    for (uint64_t v : x) sink ^= v;
+    best = std::max(best, double(total) / dt * 1e-9);
   }
-  return sink == -1.0 ? 0.0 : best;  // sink keeps the sums observable
+  return sink == 1 ? best + 0.0 : best;  // sink keeps the reads observable
+}
+
+double read_bandwidth_gbs(int num_threads, int64_t nbytes) {
+  const int threads = std::max(1, num_threads);
+  const int64_t n = std::max<int64_t>(nbytes, 4096);
+  // Backed by transparent huge pages where the OS offers them, like NumPy's large arrays (NumPy
+  // madvises them): with 4 KiB pages the hardware prefetchers stop at every page boundary and the
+  // "ceiling" would be measured well below what attention on NumPy arrays can reach. Whether the
+  // OS grants them depends on memory fragmentation; read_buffers_gbs on the arrays themselves
+  // measures the ceiling of exactly those pages.
+  HugeBuffer buf{size_t(n)};
+  unsigned char* data = static_cast<unsigned char*>(buf.data());
+  const int64_t per = ceil_div(ceil_div(n, threads), 64) * 64;
+  // First touch by the thread that will read each part (NUMA placement), values nonzero.
+  parallel_for(threads, threads, [&](int64_t c) {
+    const int64_t lo = std::min(n, c * per), hi = std::min(n, (c + 1) * per);
+    if (hi > lo) std::memset(data + lo, 1, size_t(hi - lo));
+  });
+  return read_buffers_gbs({{data, n}}, threads);
 }
 
 }  // namespace pyattn

@@ -6,6 +6,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 namespace pyattn {
 
@@ -161,10 +163,9 @@ struct KernelTable {
   const char* name;
   KernelSet<float> f32;
   KernelSet<double> f64;
-  // Machine ceilings for the benchmark: a register-only FMA loop (returns flops done) and a
-  // streaming read of n floats (returns a checksum so the loop cannot be removed).
+  // Machine ceiling for the benchmark: a register-only FMA loop (returns flops done). The read
+  // ceiling (read_buffers_gbs in attention.cpp) needs no ISA-specific code.
   double (*fma_loop)(int64_t iterations);
-  double (*read_sum)(const float* data, int64_t n);
 };
 
 // Per-ISA tables (defined in kernels_<isa>.cpp).
@@ -243,5 +244,7 @@ void pack_weights(const T* w, int64_t w_stride, int64_t n, int64_t k, int64_t pa
 template <class T>
 void linear(const GemmArgs<T>& g, int num_threads);
 double read_bandwidth_gbs(int num_threads, int64_t nbytes);
+// GB/s of reading every byte of the buffers once with num_threads threads (best of 5).
+double read_buffers_gbs(const std::vector<std::pair<const void*, int64_t>>& buffers, int num_threads);
 
 }  // namespace pyattn

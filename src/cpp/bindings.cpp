@@ -505,6 +505,27 @@ PYBIND11_MODULE(_core, m) {
         return read_bandwidth_gbs(threads, nbytes);
       },
       py::arg("num_threads"), py::arg("nbytes") = int64_t(1) << 30, "Streaming read bandwidth, GB/s (best of 5).");
+  m.def(
+      "read_buffers_gbs",
+      [](const py::list& arrays, int threads) {
+        std::vector<py::buffer_info> infos;
+        std::vector<std::pair<const void*, int64_t>> spans;
+        for (const auto& item : arrays) {
+          infos.push_back(py::reinterpret_borrow<py::buffer>(item).request());
+          const py::buffer_info& b = infos.back();
+          int64_t expected = b.itemsize;
+          for (int64_t d = b.ndim - 1; d >= 0; --d) {
+            if (b.shape[size_t(d)] > 1 && b.strides[size_t(d)] != expected)
+              throw py::value_error("arrays: every array must be C-contiguous");
+            expected *= b.shape[size_t(d)];
+          }
+          spans.emplace_back(b.ptr, int64_t(b.size) * b.itemsize);
+        }
+        py::gil_scoped_release release;
+        return read_buffers_gbs(spans, threads);
+      },
+      py::arg("arrays"), py::arg("num_threads"),
+      "GB/s of reading these C-contiguous arrays once, each split across num_threads threads (best of 5).");
 #if defined(PYATTN_VERSION)
   m.attr("__version__") = PYATTN_VERSION;
 #endif

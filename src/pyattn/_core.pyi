@@ -6,7 +6,7 @@ pack_weights) take arguments prepared by pyattn._api / pyattn._mha and re-check 
 C++ side relies on; a failed check raises ValueError.
 """
 
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 import numpy.typing as npt
@@ -119,3 +119,6 @@ def fma_peak_gflops(num_threads: int, seconds: float = 0.5) -> float:
 
 def read_bandwidth_gbs(num_threads: int, nbytes: int = 1073741824) -> float:
     """Streaming read bandwidth, GB/s (best of 5)."""
+
+def read_buffers_gbs(arrays: Sequence[npt.NDArray[Any]], num_threads: int) -> float:
+    """GB/s of reading these C-contiguous arrays once, each split across num_threads threads (best of 5)."""
