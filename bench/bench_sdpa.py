@@ -18,7 +18,8 @@ What is measured, per (shape, variant) row, all in float32 with the same thread 
   so no row is fully masked);
 * pyattn time (median and min of many runs after a warm-up; runs repeat until both ``--min-time``
   seconds and ``--min-runs`` runs are reached), GFLOP/s, % of the FMA peak measured in the same run,
-  and for decode rows the K+V read bandwidth (GB/s, % of the measured read bandwidth);
+  and for decode rows the K+V read bandwidth (GB/s, % of the measured read bandwidth, and %rd: % of a
+  plain streaming read of that row's own K and V arrays, which shares their page backing);
 * max abs error of pyattn's output against ``pyattn.reference`` (float64). Rows with
   B*H*L*S > 2**23 are checked on the first batch and head only (inputs sliced to [:1, :1]);
 * peers: "numpy" (a float32 NumPy implementation written here: matmul, masked softmax, matmul; the
@@ -411,7 +412,8 @@ def print_header(info: dict, peers: list[str]) -> None:
             print("WARNING: other processes are using the CPUs; timings will be noisy and slow")
     print("dtype float32; times in ms = median over runs (min ms = fastest run); warm-up excluded")
     print("GFLOP/s = 4*B*H*D*pairs / time; none/mask rows count all L*S pairs, causal only allowed ones")
-    print("GB/s (decode rows only) = bytes of K+V / time; %bw = of the read bandwidth above")
+    print("GB/s (decode rows only) = bytes of K+V / time; %bw = of the read bandwidth above; %rd = of a plain"
+          " streaming read of the row's own K and V arrays (pyattn._core.read_buffers_gbs, same threads)")
     print(
         "bg = CPUs other processes kept busy during the row (machine busy time - this process's);"
         f" rows with bg > {BUSY_WARN_CPUS} are noisy"
@@ -454,6 +456,11 @@ def run_row(pyattn, case, variant, inputs, mask, peers, args, ceilings) -> dict:
     q, k, v = inputs
     timing_opts = {"min_time": args.min_time, "min_runs": args.min_runs}
     is_causal = pyattn_is_causal(case, variant)
+    own_read = None
+    if case.is_decode and hasattr(pyattn._core, "read_buffers_gbs"):
+        # The read ceiling of these very K/V pages (huge pages or not), measured just before the row.
+        arrays = [np.ascontiguousarray(k).view(np.uint8), np.ascontiguousarray(v).view(np.uint8)]
+        own_read = float(pyattn._core.read_buffers_gbs(arrays, args.threads))
     t, out = time_call(
         lambda: pyattn.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal, num_threads=args.threads
@@ -486,6 +493,8 @@ def run_row(pyattn, case, variant, inputs, mask, peers, args, ceilings) -> dict:
         "peers": {},
     }
     row["pct_read_bw"] = 100 * row["kv_gbs"] / bw if (bw and row["kv_gbs"]) else None
+    row["own_read_gbs"] = own_read
+    row["pct_own_read"] = 100 * row["kv_gbs"] / own_read if (own_read and row["kv_gbs"]) else None
     for name in peers:
         peer = run_peer(name, case, variant, q, k, v, mask, out, args, timing_opts)
         if "median_ms" in peer:
@@ -553,6 +562,7 @@ def make_table(peers: list[str]) -> Table:
         Column("%peak", 5),
         Column("GB/s", 5),
         Column("%bw", 4),
+        Column("%rd", 4),
         Column("max err", 7),
         Column("err on", 6, right=False),
         Column("bg", 3),
@@ -574,6 +584,7 @@ def row_cells(row: dict, peers: list[str]) -> list[str]:
         fmt(row["pct_fma_peak"], ".0f"),
         fmt(row["kv_gbs"], ".1f"),
         fmt(row["pct_read_bw"], ".0f"),
+        fmt(row.get("pct_own_read"), ".0f"),
         fmt(row["max_abs_err"], ".1e"),
         row["err_scope"],
         fmt(row.get("background_cpus"), ".1f"),
