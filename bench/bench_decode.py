@@ -34,7 +34,7 @@ storage dtype; each K/V row is read once per GQA group) / median time; %bw = of 
 bandwidth measured at start-up in the same run (``pyattn._core.read_bandwidth_gbs(T, 1 << 30)``);
 rows whose K+V fit in the last-level cache can exceed 100%. read = GB/s of a plain streaming read of
 this row's own K and V arrays (``pyattn._core.read_buffers_gbs([K, V], T)``, same threads, measured
-just before the row): the ceiling for exactly these pages, which also reflects whether the OS backed
+just before and just after the row, the higher of the two): the ceiling for exactly these pages, which also reflects whether the OS backed
 them (and the 1 GiB buffer) with transparent huge pages, worth up to 2x on some machines; %rd =
 GB/s / read, the fraction of that ceiling the decode step reaches. max err = max |pyattn - ref| where the
 reference runs, else (float32 rows only) max |pyattn - torch|; column "vs" says which.
@@ -190,8 +190,10 @@ def case_rows(pyattn, case: Case, args, bandwidth) -> list[dict]:
     for name in args.dtypes:
         cache = f32 if name == "float32" else filled_cache(pyattn, case, name, rng, source=f32)
         kv_bytes = [cache.keys().view(np.uint8), cache.values().view(np.uint8)]  # any dtype (ml_dtypes too)
-        read_gbs = float(pyattn._core.read_buffers_gbs(kv_bytes, args.threads))
+        read_before = float(pyattn._core.read_buffers_gbs(kv_bytes, args.threads))
         t_pyattn, out = time_call(lambda c=cache: c.attend(q, num_threads=args.threads), **timing)
+        # Again after: the kernel's khugepaged may have turned the arrays into huge pages meanwhile.
+        read_gbs = max(read_before, float(pyattn._core.read_buffers_gbs(kv_bytes, args.threads)))
         ms = t_pyattn.median * 1e3
         nbytes = case.kv_bytes(cache.dtype.itemsize)
         gbs = nbytes / t_pyattn.median / 1e9

@@ -110,6 +110,13 @@ struct Simd<float> {
     return _mm512_mask_blend_ps(tiny, mul(p, pow2n), zero());
   }
   static float hsum(reg x) { return _mm512_reduce_add_ps(x); }
+  static float hmax(reg x) {  // max over lanes (NaN lanes may be dropped: callers check separately)
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));  // AVX-512F only
+    const __m256 h = _mm256_max_ps(_mm512_castps512_ps256(x), hi);
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
   // Lane i of the result = hsum(x[i]) for 16 vectors: a transpose folded into the additions (unpack
   // pairs of floats, then of float pairs, then 128-bit quarters twice), 30 shuffles + 15 adds for 16
   // sums instead of 16 separate reductions of 4 dependent steps each.
@@ -174,6 +181,11 @@ struct Simd<double> {
     const __m128d s = _mm_add_pd(_mm256_castpd256_pd128(h), _mm256_extractf128_pd(h, 1));
     return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
   }
+  static double hmax(reg x) {
+    const __m256d h = _mm256_max_pd(_mm512_castpd512_pd256(x), _mm512_extractf64x4_pd(x, 1));
+    const __m128d m = _mm_max_pd(_mm256_castpd256_pd128(h), _mm256_extractf128_pd(h, 1));
+    return _mm_cvtsd_f64(_mm_max_sd(m, _mm_unpackhi_pd(m, m)));
+  }
   // Lane i of the result = hsum(x[i]) for 8 vectors (see Simd<float>::hsum_lanes).
   static reg hsum_lanes(const reg* x) {
     reg h2[4], h4[2];
@@ -231,6 +243,11 @@ struct Simd<float> {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+  }
+  static float hmax(reg x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
   }
   // Lane i of the result = hsum(x[i]) for 8 vectors: unpack pairs of floats, then of float pairs,
   // then swap 128-bit halves (a transpose folded into the additions).
@@ -290,6 +307,10 @@ struct Simd<double> {
     __m128d s = _mm_add_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
     return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
   }
+  static double hmax(reg x) {
+    const __m128d m = _mm_max_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
+    return _mm_cvtsd_f64(_mm_max_sd(m, _mm_unpackhi_pd(m, m)));
+  }
   // Lane i of the result = hsum(x[i]) for 4 vectors (see Simd<float>::hsum_lanes).
   static reg hsum_lanes(const reg* x) {
     const reg ab = add(_mm256_unpacklo_pd(x[0], x[1]), _mm256_unpackhi_pd(x[0], x[1]));
@@ -322,6 +343,7 @@ struct Simd {
   static reg exp2(reg x) { return std::exp2(x); }
   static T hsum(reg x) { return x; }
   static reg hsum_lanes(const reg* x) { return x[0]; }
+  static T hmax(reg x) { return x; }
   static reg load_f16(const uint16_t* p) { return T(half_to_float(*p)); }
   static reg load_bf16(const uint16_t* p) { return T(bf16_to_float(*p)); }
 };
