@@ -322,7 +322,7 @@ void scaled_dot_product_attention(const AttnArgs<T>& a, int num_threads) {
       return;
     }
     ks.attend(a, t, block_rows, s);
-    finalize(s.state, lay, t.rows, a.value_dim, out_row_of(t));
+    ks.finalize(s.state, block_rows, t.rows, a.value_dim, a.out_rows(t.bh) + t.i0 * a.out_stride_l, a.out_stride_l);
     if (a.weights) ks.write_weights(a, t, block_rows, s);
   });
 

@@ -148,6 +148,8 @@ struct KernelSet {
   void (*attend)(const AttnArgs<T>& a, const Tile& t, int64_t block_rows, Scratch<T>& s);
   // Writes normalised softmax weights of the tile's rows for all keys, from the final state.
   void (*write_weights)(const AttnArgs<T>& a, const Tile& t, int64_t block_rows, Scratch<T>& s);
+  // Normalised output rows (out + i * out_stride) of a finished tile state: acc / l, zeros if l == 0.
+  void (*finalize)(const RowState<T>& s, int64_t block_rows, int64_t rows, int64_t value_dim, T* out, int64_t out_stride);
   // Few-query-row attention (decode): lanes along head_dim, K/V blocks converted to T once. State:
   // acc rows x value_dim_padded (row-major), m and l per row, in `state`; scratch from decode_scratch.
   void (*decode)(const AttnArgs<T>& a, const DecodeTile& t, int64_t group, T* scratch, RowState<T> state);

@@ -117,6 +117,30 @@ struct Simd<float> {
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
   }
+  // In-register transpose of a 16 x 16 block: r[i] lane j <-> r[j] lane i (unpack pairs of floats,
+  // then of float pairs, then two rounds of 128-bit quarter shuffles).
+  static void transpose(reg* r) {
+    reg t[16], u[16];
+    for (int i = 0; i < 8; ++i) {
+      t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i)
+      for (int c = 0; c < 2; ++c) {
+        const __m512d a = _mm512_castps_pd(t[4 * i + c]), b = _mm512_castps_pd(t[4 * i + 2 + c]);
+        u[4 * i + 2 * c] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        u[4 * i + 2 * c + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+      }
+    // u[4g + c], 128-bit quarter L: column 4L + c of rows 4g..4g+3.
+    for (int c = 0; c < 4; ++c) {
+      const reg alo = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), ahi = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xee);
+      const reg blo = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44), bhi = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xee);
+      r[c] = _mm512_shuffle_f32x4(alo, blo, 0x88);
+      r[4 + c] = _mm512_shuffle_f32x4(alo, blo, 0xdd);
+      r[8 + c] = _mm512_shuffle_f32x4(ahi, bhi, 0x88);
+      r[12 + c] = _mm512_shuffle_f32x4(ahi, bhi, 0xdd);
+    }
+  }
   // Lane i of the result = hsum(x[i]) for 16 vectors: a transpose folded into the additions (unpack
   // pairs of floats, then of float pairs, then 128-bit quarters twice), 30 shuffles + 15 adds for 16
   // sums instead of 16 separate reductions of 4 dependent steps each.
@@ -186,6 +210,23 @@ struct Simd<double> {
     const __m128d m = _mm_max_pd(_mm256_castpd256_pd128(h), _mm256_extractf128_pd(h, 1));
     return _mm_cvtsd_f64(_mm_max_sd(m, _mm_unpackhi_pd(m, m)));
   }
+  // In-register transpose of an 8 x 8 block (see Simd<float>::transpose).
+  static void transpose(reg* r) {
+    reg t[8];
+    for (int i = 0; i < 4; ++i) {
+      t[2 * i] = _mm512_unpacklo_pd(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_pd(r[2 * i], r[2 * i + 1]);
+    }
+    // t[2g + c], 128-bit quarter L: column 2L + c of rows 2g, 2g+1.
+    for (int c = 0; c < 2; ++c) {
+      const reg alo = _mm512_shuffle_f64x2(t[c], t[2 + c], 0x44), ahi = _mm512_shuffle_f64x2(t[c], t[2 + c], 0xee);
+      const reg blo = _mm512_shuffle_f64x2(t[4 + c], t[6 + c], 0x44), bhi = _mm512_shuffle_f64x2(t[4 + c], t[6 + c], 0xee);
+      r[c] = _mm512_shuffle_f64x2(alo, blo, 0x88);
+      r[2 + c] = _mm512_shuffle_f64x2(alo, blo, 0xdd);
+      r[4 + c] = _mm512_shuffle_f64x2(ahi, bhi, 0x88);
+      r[6 + c] = _mm512_shuffle_f64x2(ahi, bhi, 0xdd);
+    }
+  }
   // Lane i of the result = hsum(x[i]) for 8 vectors (see Simd<float>::hsum_lanes).
   static reg hsum_lanes(const reg* x) {
     reg h2[4], h4[2];
@@ -249,6 +290,25 @@ struct Simd<float> {
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
   }
+  // In-register transpose of an 8 x 8 block (unpack pairs of floats, then of float pairs, then swap
+  // 128-bit halves).
+  static void transpose(reg* r) {
+    reg t[8], u[8];
+    for (int i = 0; i < 4; ++i) {
+      t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i)
+      for (int c = 0; c < 2; ++c) {
+        const __m256d a = _mm256_castps_pd(t[4 * i + c]), b = _mm256_castps_pd(t[4 * i + 2 + c]);
+        u[4 * i + 2 * c] = _mm256_castpd_ps(_mm256_unpacklo_pd(a, b));
+        u[4 * i + 2 * c + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(a, b));
+      }
+    for (int c = 0; c < 4; ++c) {
+      r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+      r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+    }
+  }
   // Lane i of the result = hsum(x[i]) for 8 vectors: unpack pairs of floats, then of float pairs,
   // then swap 128-bit halves (a transpose folded into the additions).
   static reg hsum_lanes(const reg* x) {
@@ -311,6 +371,15 @@ struct Simd<double> {
     const __m128d m = _mm_max_pd(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
     return _mm_cvtsd_f64(_mm_max_sd(m, _mm_unpackhi_pd(m, m)));
   }
+  // In-register transpose of a 4 x 4 block.
+  static void transpose(reg* r) {
+    const reg t0 = _mm256_unpacklo_pd(r[0], r[1]), t1 = _mm256_unpackhi_pd(r[0], r[1]);
+    const reg t2 = _mm256_unpacklo_pd(r[2], r[3]), t3 = _mm256_unpackhi_pd(r[2], r[3]);
+    r[0] = _mm256_permute2f128_pd(t0, t2, 0x20);
+    r[1] = _mm256_permute2f128_pd(t1, t3, 0x20);
+    r[2] = _mm256_permute2f128_pd(t0, t2, 0x31);
+    r[3] = _mm256_permute2f128_pd(t1, t3, 0x31);
+  }
   // Lane i of the result = hsum(x[i]) for 4 vectors (see Simd<float>::hsum_lanes).
   static reg hsum_lanes(const reg* x) {
     const reg ab = add(_mm256_unpacklo_pd(x[0], x[1]), _mm256_unpackhi_pd(x[0], x[1]));
@@ -344,6 +413,7 @@ struct Simd {
   static T hsum(reg x) { return x; }
   static reg hsum_lanes(const reg* x) { return x[0]; }
   static T hmax(reg x) { return x; }
+  static void transpose(reg*) {}
   static reg load_f16(const uint16_t* p) { return T(half_to_float(*p)); }
   static reg load_bf16(const uint16_t* p) { return T(bf16_to_float(*p)); }
 };
