@@ -12,9 +12,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -250,6 +252,110 @@ void sdpa(const py::array& q, const py::array& k, const py::array& v, const py::
     fail("query: dtype must be float32 or float64");
 }
 
+// The common call, q/k/v of one float dtype with equal leading shapes and nothing else (no mask,
+// weights, out=, 16-bit or copied inputs): checked and launched here without the Python layer's
+// general machinery (~15 us of interpreter time per call). Returns None for anything outside that
+// case, including every error, so the Python layer takes the general path and raises its usual
+// message; for calls inside it, the arguments the kernels see are exactly the general path's.
+template <class T>
+py::object sdpa_simple_t(const py::array& q, const py::array& k, const py::array& v, int causal, bool gqa,
+                         double scale, bool default_scale, int num_threads) {
+  const py::ssize_t nd = q.ndim();
+  if ((nd != 3 && nd != 4) || k.ndim() != nd || v.ndim() != nd) return py::none();
+  for (const py::array* x : {&q, &k, &v}) {
+    const py::ssize_t item = x->itemsize();
+    if (reinterpret_cast<uintptr_t>(x->data()) % uintptr_t(item) != 0) return py::none();
+    for (py::ssize_t d = 0; d < nd; ++d) {
+      if (x->shape(d) == 0) return py::none();  // empty inputs: the general path
+      if (x->strides(d) < 0 || x->strides(d) % item != 0) return py::none();
+    }
+    if (x->shape(nd - 1) > 1 && x->strides(nd - 1) != item) return py::none();
+  }
+  const py::ssize_t h = nd - 3;  // the heads axis
+  if (nd == 4 && (k.shape(0) != q.shape(0) || v.shape(0) != q.shape(0))) return py::none();
+  const int64_t batch = nd == 4 ? q.shape(0) : 1, num_heads = q.shape(h), kv_heads = k.shape(h);
+  const int64_t q_len = q.shape(h + 1), kv_len = k.shape(h + 1), head_dim = q.shape(h + 2);
+  const int64_t value_dim = v.shape(h + 2);
+  if (k.shape(h + 2) != head_dim || v.shape(h + 1) != kv_len || v.shape(h) != kv_heads) return py::none();
+  if (gqa ? num_heads % kv_heads != 0 : num_heads != kv_heads) return py::none();
+  if (!default_scale && !std::isfinite(scale)) return py::none();
+  if (num_threads < 0) return py::none();
+
+  // The output first (before the offsets, as in the general path): an impossible size is the
+  // general path's ValueError, not a MemoryError from here.
+  std::vector<py::ssize_t> shape(q.shape(), q.shape() + nd);
+  shape[size_t(nd - 1)] = value_dim;
+  py::array_t<T> out;
+  try {
+    out = py::array_t<T>(shape);
+  } catch (const py::error_already_set&) {
+    return py::none();
+  } catch (const std::bad_alloc&) {
+    return py::none();
+  }
+
+  auto elems = [](const py::array& x, py::ssize_t d) { return int64_t(x.strides(d) / x.itemsize()); };
+  AttnArgs<T> a;
+  a.batch_heads = checked_mul(batch, num_heads);
+  a.num_heads = num_heads;
+  a.group = num_heads / kv_heads;
+  a.q_len = q_len;
+  a.kv_len = kv_len;
+  a.head_dim = head_dim;
+  a.value_dim = value_dim;
+  a.q_stride_l = q_len > 1 ? elems(q, h + 1) : 0;  // as _api._row_stride
+  a.k_stride_s = kv_len > 1 ? elems(k, h + 1) : 0;
+  a.v_stride_s = kv_len > 1 ? elems(v, h + 1) : 0;
+  a.causal = causal != 0;
+  a.causal_offset = causal == 2 ? kv_len - q_len : 0;
+  a.scale = default_scale ? 1.0 / std::sqrt(double(head_dim)) : scale;
+  std::vector<int64_t> offsets(size_t(3 * a.batch_heads));
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t hq = 0; hq < num_heads; ++hq) {
+      const int64_t bh = b * num_heads + hq, hk = hq / a.group;
+      const int64_t qb = nd == 4 && batch > 1 ? b * elems(q, 0) : 0;
+      const int64_t kb = nd == 4 && batch > 1 ? b * elems(k, 0) : 0;
+      const int64_t vb = nd == 4 && batch > 1 ? b * elems(v, 0) : 0;
+      offsets[size_t(bh)] = qb + (num_heads > 1 ? hq * elems(q, h) : 0);
+      offsets[size_t(a.batch_heads + bh)] = kb + (kv_heads > 1 ? hk * elems(k, h) : 0);
+      offsets[size_t(2 * a.batch_heads + bh)] = vb + (kv_heads > 1 ? hk * elems(v, h) : 0);
+    }
+  a.q_offset = offsets.data();
+  a.k_offset = offsets.data() + a.batch_heads;
+  a.v_offset = offsets.data() + 2 * a.batch_heads;
+  a.q = static_cast<const T*>(q.data());
+  a.k = static_cast<const T*>(k.data());
+  a.v = static_cast<const T*>(v.data());
+  a.out = out.mutable_data();
+  a.out_stride_l = value_dim;
+  a.out_stride_h = checked_mul(q_len, value_dim);
+  a.out_stride_b = checked_mul(num_heads, a.out_stride_h);
+  {
+    py::gil_scoped_release release;
+    scaled_dot_product_attention<T>(a, num_threads);
+  }
+  return std::move(out);
+}
+
+py::object sdpa_simple(const py::object& q_obj, const py::object& k_obj, const py::object& v_obj, int causal,
+                       bool gqa, const py::object& scale, int num_threads) {
+  // Exactly numpy.ndarray (subclasses such as np.matrix or masked arrays take the general path).
+  static PyTypeObject* const nd_type =
+      reinterpret_cast<PyTypeObject*>(py::module_::import("numpy").attr("ndarray").ptr());  // lives forever
+  for (const py::object* o : {&q_obj, &k_obj, &v_obj})
+    if (Py_TYPE(o->ptr()) != nd_type) return py::none();
+  const py::array q = py::reinterpret_borrow<py::array>(q_obj);
+  const py::array k = py::reinterpret_borrow<py::array>(k_obj);
+  const py::array v = py::reinterpret_borrow<py::array>(v_obj);
+  if (!q.dtype().is(k.dtype()) || !q.dtype().is(v.dtype())) return py::none();
+  const bool default_scale = scale.is_none();
+  if (!default_scale && !PyFloat_CheckExact(scale.ptr())) return py::none();
+  const double s = default_scale ? 1.0 : scale.cast<double>();
+  if (is_float32(q)) return sdpa_simple_t<float>(q, k, v, causal, gqa, s, default_scale, num_threads);
+  if (is_float64(q)) return sdpa_simple_t<double>(q, k, v, causal, gqa, s, default_scale, num_threads);
+  return py::none();
+}
+
 template <class T>
 py::array_t<T> pack_weights_t(const py::array& w) {
   const KernelSet<T>& ks = active_set<T>();
@@ -465,6 +571,10 @@ PYBIND11_MODULE(_core, m) {
         py::arg("causal_offset"), py::arg("scale"), py::arg("num_threads"), py::arg("kv_storage") = 0,
         py::arg("kv_lens") = py::none(), py::arg("causal_offsets") = py::none(), py::arg("num_heads") = 0,
         "Low-level attention entry; arguments prepared by pyattn._api.");
+  m.def("sdpa_simple", &sdpa_simple, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("causal"),
+        py::arg("enable_gqa"), py::arg("scale"), py::arg("num_threads"),
+        "scaled_dot_product_attention for plain q/k/v only (0/1/2 = no/upper-left/lower-right causal); "
+        "None when the call needs the general path.");
   m.def("pack_weights", &pack_weights_py, py::arg("weight"),
         "Pack a (out_features, in_features) weight for the active ISA's GEMM; returns (packed, panel).");
   m.def("linear", &linear_py, py::arg("x"), py::arg("packed"), py::arg("panel"), py::arg("n"), py::arg("bias"),

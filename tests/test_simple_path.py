@@ -1,0 +1,113 @@
+# SPDX-License-Identifier: MIT
+"""The one-step C++ path for plain calls (_core.sdpa_simple): bitwise the general path's result, and
+None (so the general path runs and raises its own errors) for everything outside its case."""
+
+import numpy as np
+import pytest
+from conftest import DTYPES, nan_guarded
+
+import pyattn
+from pyattn import _core
+
+sdpa = pyattn.scaled_dot_product_attention
+
+
+def general(q, k, v, **kwargs):
+    """The general Python path: out= keeps a call off the simple path."""
+    shape = np.broadcast_shapes(q.shape[:-3], k.shape[:-3]) + q.shape[-3:-1] + v.shape[-1:]
+    out = np.empty(shape, q.dtype)
+    return sdpa(q, k, v, out=out, **kwargs)
+
+
+def inputs(rng, dtype, batch, q_heads, kv_heads, q_len, kv_len, head_dim, value_dim, layout):
+    def make(shape):
+        x = rng.standard_normal(shape).astype(dtype)
+        if layout == "guarded":
+            return nan_guarded(x)
+        if layout == "heads_major":  # (L, H, D) memory viewed as (H, L, D)
+            return np.ascontiguousarray(np.swapaxes(x, -2, -3)).swapaxes(-2, -3)
+        return x
+
+    lead = (batch,) if batch else ()
+    return (make(lead + (q_heads, q_len, head_dim)), make(lead + (kv_heads, kv_len, head_dim)),
+            make(lead + (kv_heads, kv_len, value_dim)))
+
+
+CAUSAL = [(False, 0), (True, 1), ("upper_left", 1), ("lower_right", 2)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("layout", ["contiguous", "guarded", "heads_major"])
+@pytest.mark.parametrize("is_causal,code", CAUSAL, ids=[str(c) for c, _ in CAUSAL])
+@pytest.mark.parametrize(
+    "batch,q_heads,kv_heads,q_len,kv_len,head_dim,value_dim",
+    [(2, 4, 4, 5, 7, 8, 6), (0, 3, 3, 17, 17, 16, 16), (1, 8, 2, 3, 40, 64, 64), (3, 6, 1, 1, 33, 24, 5),
+     (2, 2, 2, 70, 50, 33, 17)],
+    ids=["mha", "3d", "gqa-decode", "mqa-1", "ragged"],
+)
+def test_simple_path_is_bitwise_the_general_path(rng, isa, dtype, layout, is_causal, code, batch, q_heads, kv_heads,
+                                                   q_len, kv_len, head_dim, value_dim):
+    q, k, v = inputs(rng, dtype, batch, q_heads, kv_heads, q_len, kv_len, head_dim, value_dim, layout)
+    gqa = q_heads != kv_heads
+    direct = _core.sdpa_simple(q, k, v, code, gqa, None, 0)
+    assert direct is not None, "the simple path declined a plain call"
+    expected = general(q, k, v, is_causal=is_causal, enable_gqa=gqa)
+    np.testing.assert_array_equal(direct, expected)
+    np.testing.assert_array_equal(sdpa(q, k, v, is_causal=is_causal, enable_gqa=gqa), expected)
+    # An explicit float scale and a thread count take the simple path too.
+    np.testing.assert_array_equal(
+        sdpa(q, k, v, is_causal=is_causal, enable_gqa=gqa, scale=0.3, num_threads=2),
+        general(q, k, v, is_causal=is_causal, enable_gqa=gqa, scale=0.3, num_threads=2))
+    assert direct.flags.c_contiguous and direct.dtype == dtype
+
+
+def plain(rng, dtype=np.float32):
+    return [rng.standard_normal(s).astype(dtype) for s in ((2, 4, 5, 8), (2, 4, 7, 8), (2, 4, 7, 6))]
+
+
+DECLINED = {
+    "batch broadcast": lambda q, k, v: (q, k[:1], v[:1]),
+    "2-d": lambda q, k, v: (q[0, 0], k[0, 0], v[0, 0]),
+    "5-d": lambda q, k, v: (q[None], k[None], v[None]),
+    "mixed ndim": lambda q, k, v: (q, k[0], v[0]),
+    "mixed dtypes": lambda q, k, v: (q, k.astype(np.float64), v),
+    "float16": lambda q, k, v: (q.astype(np.float16), k.astype(np.float16), v.astype(np.float16)),
+    "int": lambda q, k, v: (q.astype(np.int32), k.astype(np.int32), v.astype(np.int32)),
+    "big-endian": lambda q, k, v: (q.astype(">f4"), k.astype(">f4"), v.astype(">f4")),
+    "strided last axis": lambda q, k, v: (q, np.repeat(k, 2, axis=-1)[..., ::2], v),
+    "reversed rows": lambda q, k, v: (q, k[:, :, ::-1], v),
+    "misaligned": lambda q, k, v: (q, np.frombuffer(b"\0" + k.tobytes(), np.float32, offset=1).reshape(k.shape), v),
+    "empty": lambda q, k, v: (q[:, :, :0], k, v),
+    "head_dim mismatch": lambda q, k, v: (q, k[..., :7], v),
+    "kv_len mismatch": lambda q, k, v: (q, k, v[:, :, :6]),
+    "heads mismatch": lambda q, k, v: (q, k[:, :2], v[:, :2]),
+    "list": lambda q, k, v: (q.tolist(), k, v),
+    "subclass": lambda q, k, v: (np.ma.asarray(q), k, v),
+}
+
+
+@pytest.mark.parametrize("case", list(DECLINED))
+def test_simple_path_declines(rng, case):
+    q, k, v = DECLINED[case](*plain(rng))
+    assert _core.sdpa_simple(q, k, v, 0, False, None, 0) is None
+
+
+@pytest.mark.parametrize("scale", [np.nan, np.inf, np.float32(0.5), 1])
+def test_simple_path_declines_scales(rng, scale):
+    assert _core.sdpa_simple(*plain(rng), 0, False, scale, 0) is None
+
+
+def test_simple_path_declines_gqa_without_flag_and_bad_threads(rng):
+    q, k, v = plain(rng)
+    assert _core.sdpa_simple(q, k[:, :2], v[:, :2], 0, True, None, 0) is not None
+    assert _core.sdpa_simple(q, k[:, :3], v[:, :3], 0, True, None, 0) is None  # 4 % 3 != 0
+    assert _core.sdpa_simple(q, k, v, 0, False, None, -1) is None
+
+
+def test_inputs_untouched_and_output_fresh(rng):
+    q, k, v = plain(rng)
+    copies = [x.copy() for x in (q, k, v)]
+    out1, out2 = sdpa(q, k, v), sdpa(q, k, v)
+    assert not np.shares_memory(out1, out2)
+    for x, c in zip((q, k, v), copies):
+        np.testing.assert_array_equal(x, c)
