@@ -75,6 +75,8 @@ class KVCache:
         self._last_new = np.zeros(self.batch, np.int64)
         self._last_chunk = 0
         self._last_left = False
+        self._half = _HALF_STORAGE.get(self.dtype.name, 0)  # the kernels' code for 16-bit storage
+        self._offsets = {}  # attend()'s kernel offsets per (num_heads, chunk, storage, query strides)
 
     def __repr__(self):
         return (f"KVCache(batch={self.batch}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
@@ -182,7 +184,7 @@ class KVCache:
             raise ValueError(f"query: num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if chunk != self._last_chunk:
             raise ValueError(f"query: chunk length {chunk} does not match the last append ({self._last_chunk})")
-        half = self.dtype.name in _HALF_STORAGE
+        half = self._half != 0
         compute = np.dtype(np.float32) if half else self.dtype
         if q.dtype != compute:
             if q.dtype.kind != "f" and q.dtype.name != "bfloat16":
@@ -192,21 +194,30 @@ class KVCache:
             q = np.ascontiguousarray(q)
         k, v = self._k, self._v
         storage = 0
+        copied = False
         if half and chunk <= _DIRECT_HALF_MAX_Q_LEN:
-            storage = _HALF_STORAGE[self.dtype.name]
+            storage = self._half
             k, v = k.view(np.uint16), v.view(np.uint16)
         elif half:
             filled = int(self.lengths.max())  # long chunks (prefill): float32 copies of the filled part
             k, v = k[:, :, :filled].astype(np.float32), v[:, :, :filled].astype(np.float32)
+            copied = True
         kv_len = k.shape[2]
         group = num_heads // self.num_kv_heads
-        heads = np.arange(num_heads, dtype=np.int64)
-        bidx = np.arange(self.batch, dtype=np.int64)[:, None]
         item_k, item_v = k.strides[3], v.strides[3]
-        q_off = (bidx * q.strides[0] + heads * q.strides[1]).reshape(-1) // q.itemsize
-        k_off = (bidx * k.strides[0] + (heads // group) * k.strides[1]).reshape(-1) // item_k
-        v_off = (bidx * v.strides[0] + (heads // group) * v.strides[1]).reshape(-1) // item_v
-        offsets = np.ascontiguousarray(np.stack([q_off, k_off, v_off, np.zeros_like(q_off)]), dtype=np.int64)
+        # The offsets only depend on the layout: built once per (heads, chunk, storage, q strides) for
+        # the cache's own arrays (a decode loop calls attend with the same layout every step).
+        key = (num_heads, chunk, storage, q.strides)
+        offsets = None if copied else self._offsets.get(key)
+        if offsets is None:
+            heads = np.arange(num_heads, dtype=np.int64)
+            bidx = np.arange(self.batch, dtype=np.int64)[:, None]
+            q_off = (bidx * q.strides[0] + heads * q.strides[1]).reshape(-1) // q.itemsize
+            k_off = (bidx * k.strides[0] + (heads // group) * k.strides[1]).reshape(-1) // item_k
+            v_off = (bidx * v.strides[0] + (heads // group) * v.strides[1]).reshape(-1) // item_v
+            offsets = np.ascontiguousarray(np.stack([q_off, k_off, v_off, np.zeros_like(q_off)]), dtype=np.int64)
+            if not copied:
+                self._offsets[key] = offsets
         first = self._last_chunk - self._last_new if self._last_left else np.zeros(self.batch, np.int64)
         causal_offsets = np.ascontiguousarray(self.lengths - self._last_new - first, dtype=np.int64)
         out = np.empty((self.batch, num_heads, chunk, self.value_dim), compute)
