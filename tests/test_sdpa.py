@@ -119,6 +119,34 @@ def test_block_sparse_mask(isa, dtype, rng):
     check_against_reference(q, k, v, mask, is_causal="lower_right", return_weights=True)
 
 
+@pytest.mark.parametrize("q_len, kv_len", [(17, 130), (128, 128), (300, 700)])
+@pytest.mark.parametrize("pattern", ["right_padding", "left_padding", "band", "causal_shaped"])
+def test_masked_block_edges(isa, dtype, rng, q_len, kv_len, pattern):
+    # Keys that no row of a tile may see at either end of a key block are dropped from the block;
+    # their K/V hold NaN and Inf, which must not reach any output. Per batch row a different cut,
+    # so the cuts fall inside key blocks, on their edges, and beyond them.
+    q, k, v = make_qkv(rng, dtype, batch=(4,), q_heads=2, q_len=q_len, kv_len=kv_len, head_dim=16)
+    k, v = k.copy(), v.copy()
+    allowed = np.zeros((4, 1, q_len, kv_len), dtype=bool)
+    cuts = [1, kv_len // 3, kv_len // 2 + 5, kv_len - 1]
+    for b, cut in enumerate(cuts):
+        if pattern == "right_padding":
+            allowed[b, :, :, :cut] = True
+        elif pattern == "left_padding":
+            allowed[b, :, :, kv_len - cut:] = True
+        elif pattern == "band":
+            i = np.arange(q_len)[:, None] * kv_len // q_len
+            allowed[b, 0] = np.abs(np.arange(kv_len)[None, :] - i) <= cut // 4
+        else:  # an explicit lower-right causal mask, shifted by the cut
+            allowed[b, 0] = np.arange(kv_len)[None, :] <= np.arange(q_len)[:, None] + cut
+    allowed[..., 0] |= ~allowed.any(axis=-1)  # no fully masked row (zeros are tested elsewhere)
+    forbidden_everywhere = ~allowed.any(axis=(1, 2))  # (4, kv_len): keys no query may see
+    k[np.broadcast_to(forbidden_everywhere[:, None, :], k.shape[:-1])] = np.nan
+    v[np.broadcast_to(forbidden_everywhere[:, None, :], v.shape[:-1])] = np.inf
+    out = check_against_reference(q, k, v, allowed)
+    assert np.isfinite(out).all()
+
+
 @pytest.mark.parametrize("head_dim, value_dim", [(256, 256), (512, 64), (64, 512), (300, 7)])
 def test_large_head_dims_long_kv(isa, dtype, rng, head_dim, value_dim):
     q, k, v = make_qkv(rng, dtype, q_heads=2, q_len=75, kv_len=600, head_dim=head_dim, value_dim=value_dim)
