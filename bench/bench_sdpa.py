@@ -10,7 +10,8 @@ Run (from the repository root, with pyattn installed in the interpreter's enviro
 What is measured, per (shape, variant) row, all in float32 with the same thread count everywhere:
 
 * shapes: (B, H, L, D) self-attention with S = L keys, plus decode rows: one query (L = 1) against
-  S = 4096 and 16384 keys (B=1, H=32, D=128);
+  S = 4096 and 16384 keys (B=1, H=32, D=128); the first shape, 1x1x16x64, does almost no arithmetic
+  and shows each library's per-call overhead;
 * variants: ``none`` (no mask), ``causal`` (``is_causal=True``; decode rows use ``"lower_right"`` for
   pyattn, and ``is_causal=False`` for torch/onnxruntime, which is the same thing when L = 1: the single
   query sees every key), ``mask`` (an explicit bool (L, S) mask, True = may attend, broadcast over
@@ -103,6 +104,7 @@ class Case:
 
 
 SUITE = (
+    Case(1, 1, 16, 16, 64),  # per-call overhead: almost no arithmetic, so the time is the call itself
     Case(1, 12, 128, 128, 64),
     Case(8, 12, 128, 128, 64),
     Case(1, 12, 512, 512, 64),
@@ -114,7 +116,7 @@ SUITE = (
     Case(1, 32, 1, 4096, 128),
     Case(1, 32, 1, 16384, 128),
 )
-QUICK_SUITE = ("1x12x128x64", "1x12x512x64", "1x32x1x128 S=4096")
+QUICK_SUITE = ("1x1x16x64", "1x12x128x64", "1x12x512x64", "1x32x1x128 S=4096")
 VARIANTS = ("none", "causal", "mask")
 PEERS = ("numpy", "torch", "onnxruntime", "ort-mha")
 ENV_RECORDED = (
