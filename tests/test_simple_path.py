@@ -111,3 +111,52 @@ def test_inputs_untouched_and_output_fresh(rng):
     assert not np.shares_memory(out1, out2)
     for x, c in zip((q, k, v), copies):
         np.testing.assert_array_equal(x, c)
+
+
+MASK_SHAPES = [(5, 7), (1, 7), (5, 1), (4, 5, 7), (1, 5, 7), (2, 1, 5, 7), (2, 4, 1, 7), (1, 1, 1, 1), (2, 4, 5, 7)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+@pytest.mark.parametrize("mask_shape", MASK_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("guarded", [False, True], ids=["contiguous", "guarded"])
+def test_simple_path_masks_are_bitwise_the_general_path(rng, isa, dtype, mask_kind, mask_shape, guarded):
+    q, k, v = plain(rng, dtype)
+    allowed = rng.random(mask_shape) < 0.7
+    mask = allowed if mask_kind == "bool" else np.where(allowed, rng.standard_normal(mask_shape), -np.inf).astype(dtype)
+    if guarded:
+        mask = nan_guarded(mask)
+    for is_causal, code in [(False, 0), ("lower_right", 2)]:
+        direct = _core.sdpa_simple(q, k, v, code, False, None, 0, mask)
+        assert direct is not None, "the simple path declined a broadcastable mask"
+        expected = general(q, k, v, attn_mask=mask, is_causal=is_causal)
+        np.testing.assert_array_equal(direct, expected)
+        np.testing.assert_array_equal(sdpa(q, k, v, mask, is_causal=is_causal), expected)
+
+
+def test_simple_path_mask_on_three_dim_inputs(rng):
+    q, k, v = (x[0] for x in plain(rng))
+    mask = rng.random((4, 5, 7)) < 0.5
+    direct = _core.sdpa_simple(q, k, v, 0, False, None, 0, mask)
+    assert direct is not None
+    np.testing.assert_array_equal(direct, general(q, k, v, attn_mask=mask))
+
+
+MASK_DECLINED = {
+    "1-d": lambda m: m[0, 0, 0],
+    "too many dims": lambda m: m[None],
+    "wrong size": lambda m: m[..., :6],
+    "reversed": lambda m: m[..., ::-1],
+    "float16": lambda m: m.astype(np.float16),
+    "float64 for float32 inputs": lambda m: m.astype(np.float64),
+    "int": lambda m: m.astype(np.int8),
+    "list": lambda m: m.tolist(),
+    "subclass": lambda m: np.ma.asarray(m),
+}
+
+
+@pytest.mark.parametrize("case", list(MASK_DECLINED))
+def test_simple_path_declines_masks(rng, case):
+    q, k, v = plain(rng)
+    mask = MASK_DECLINED[case](rng.random((2, 4, 5, 7)) < 0.5)
+    assert _core.sdpa_simple(q, k, v, 0, False, None, 0, mask) is None

@@ -252,14 +252,21 @@ void sdpa(const py::array& q, const py::array& k, const py::array& v, const py::
     fail("query: dtype must be float32 or float64");
 }
 
-// The common call, q/k/v of one float dtype with equal leading shapes and nothing else (no mask,
-// weights, out=, 16-bit or copied inputs): checked and launched here without the Python layer's
+// Exactly numpy.ndarray: subclasses (np.matrix, masked arrays) take the general path.
+bool exact_ndarray(const py::object& obj) {
+  static PyTypeObject* const nd_type =
+      reinterpret_cast<PyTypeObject*>(py::module_::import("numpy").attr("ndarray").ptr());  // lives forever
+  return Py_TYPE(obj.ptr()) == nd_type;
+}
+
+// The common call, q/k/v of one float dtype with equal leading shapes and at most a broadcast mask
+// (no weights, out=, 16-bit or copied inputs): checked and launched here without the Python layer's
 // general machinery (~15 us of interpreter time per call). Returns None for anything outside that
 // case, including every error, so the Python layer takes the general path and raises its usual
 // message; for calls inside it, the arguments the kernels see are exactly the general path's.
 template <class T>
-py::object sdpa_simple_t(const py::array& q, const py::array& k, const py::array& v, int causal, bool gqa,
-                         double scale, bool default_scale, int num_threads) {
+py::object sdpa_simple_t(const py::array& q, const py::array& k, const py::array& v, const py::object& mask_obj,
+                         int causal, bool gqa, double scale, bool default_scale, int num_threads) {
   const py::ssize_t nd = q.ndim();
   if ((nd != 3 && nd != 4) || k.ndim() != nd || v.ndim() != nd) return py::none();
   for (const py::array* x : {&q, &k, &v}) {
@@ -280,6 +287,32 @@ py::object sdpa_simple_t(const py::array& q, const py::array& k, const py::array
   if (gqa ? num_heads % kv_heads != 0 : num_heads != kv_heads) return py::none();
   if (!default_scale && !std::isfinite(scale)) return py::none();
   if (num_threads < 0) return py::none();
+  // A mask: bool or q's dtype, at least (L, S), every axis 1 or the full size (broadcast through
+  // zero strides), non-negative strides, aligned.
+  const int64_t full[4] = {batch, num_heads, q_len, kv_len};
+  const int64_t* full_tail = nd == 4 ? full : full + 1;
+  py::array mask;
+  const bool has_mask = !mask_obj.is_none();
+  bool mask_bool = false;
+  int64_t m_lead[2] = {0, 0}, m_stride_l = 0, m_stride_s = 0;
+  if (has_mask) {
+    if (!exact_ndarray(mask_obj)) return py::none();
+    mask = py::reinterpret_borrow<py::array>(mask_obj);
+    mask_bool = is_bool(mask);
+    if (!mask_bool && !mask.dtype().is(q.dtype())) return py::none();
+    const py::ssize_t md = mask.ndim(), item = mask.itemsize();
+    if (md < 2 || md > nd) return py::none();
+    if (reinterpret_cast<uintptr_t>(mask.data()) % uintptr_t(item) != 0) return py::none();
+    for (py::ssize_t d = 0; d < md; ++d) {
+      const int64_t want = full_tail[nd - md + d], n = mask.shape(d);
+      if ((n != 1 && n != want) || mask.strides(d) < 0 || mask.strides(d) % item != 0) return py::none();
+    }
+    auto stride = [&](py::ssize_t d) { return mask.shape(d) == 1 ? int64_t(0) : int64_t(mask.strides(d) / item); };
+    m_stride_l = stride(md - 2);
+    m_stride_s = stride(md - 1);
+    // Leading mask axes, right-aligned with (batch, heads); absent ones broadcast.
+    for (py::ssize_t d = 0; d < md - 2; ++d) m_lead[2 - (md - 2) + d] = stride(d);
+  }
 
   // The output first (before the offsets, as in the general path): an impossible size is the
   // general path's ValueError, not a MemoryError from here.
@@ -309,7 +342,7 @@ py::object sdpa_simple_t(const py::array& q, const py::array& k, const py::array
   a.causal = causal != 0;
   a.causal_offset = causal == 2 ? kv_len - q_len : 0;
   a.scale = default_scale ? 1.0 / std::sqrt(double(head_dim)) : scale;
-  std::vector<int64_t> offsets(size_t(3 * a.batch_heads));
+  std::vector<int64_t> offsets(size_t(4 * a.batch_heads));
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t hq = 0; hq < num_heads; ++hq) {
       const int64_t bh = b * num_heads + hq, hk = hq / a.group;
@@ -319,7 +352,15 @@ py::object sdpa_simple_t(const py::array& q, const py::array& k, const py::array
       offsets[size_t(bh)] = qb + (num_heads > 1 ? hq * elems(q, h) : 0);
       offsets[size_t(a.batch_heads + bh)] = kb + (kv_heads > 1 ? hk * elems(k, h) : 0);
       offsets[size_t(2 * a.batch_heads + bh)] = vb + (kv_heads > 1 ? hk * elems(v, h) : 0);
+      offsets[size_t(3 * a.batch_heads + bh)] = (nd == 4 ? b * m_lead[0] : 0) + hq * m_lead[1];
     }
+  if (has_mask) {
+    a.masks[0].data = mask.data();
+    a.masks[0].kind = mask_bool ? MaskKind::boolean : MaskKind::additive;
+    a.masks[0].offset = offsets.data() + 3 * a.batch_heads;
+    a.masks[0].stride_l = m_stride_l;
+    a.masks[0].stride_s = m_stride_s;
+  }
   a.q_offset = offsets.data();
   a.k_offset = offsets.data() + a.batch_heads;
   a.v_offset = offsets.data() + 2 * a.batch_heads;
@@ -338,12 +379,9 @@ py::object sdpa_simple_t(const py::array& q, const py::array& k, const py::array
 }
 
 py::object sdpa_simple(const py::object& q_obj, const py::object& k_obj, const py::object& v_obj, int causal,
-                       bool gqa, const py::object& scale, int num_threads) {
-  // Exactly numpy.ndarray (subclasses such as np.matrix or masked arrays take the general path).
-  static PyTypeObject* const nd_type =
-      reinterpret_cast<PyTypeObject*>(py::module_::import("numpy").attr("ndarray").ptr());  // lives forever
+                       bool gqa, const py::object& scale, int num_threads, const py::object& mask) {
   for (const py::object* o : {&q_obj, &k_obj, &v_obj})
-    if (Py_TYPE(o->ptr()) != nd_type) return py::none();
+    if (!exact_ndarray(*o)) return py::none();
   const py::array q = py::reinterpret_borrow<py::array>(q_obj);
   const py::array k = py::reinterpret_borrow<py::array>(k_obj);
   const py::array v = py::reinterpret_borrow<py::array>(v_obj);
@@ -351,8 +389,8 @@ py::object sdpa_simple(const py::object& q_obj, const py::object& k_obj, const p
   const bool default_scale = scale.is_none();
   if (!default_scale && !PyFloat_CheckExact(scale.ptr())) return py::none();
   const double s = default_scale ? 1.0 : scale.cast<double>();
-  if (is_float32(q)) return sdpa_simple_t<float>(q, k, v, causal, gqa, s, default_scale, num_threads);
-  if (is_float64(q)) return sdpa_simple_t<double>(q, k, v, causal, gqa, s, default_scale, num_threads);
+  if (is_float32(q)) return sdpa_simple_t<float>(q, k, v, mask, causal, gqa, s, default_scale, num_threads);
+  if (is_float64(q)) return sdpa_simple_t<double>(q, k, v, mask, causal, gqa, s, default_scale, num_threads);
   return py::none();
 }
 
@@ -572,7 +610,7 @@ PYBIND11_MODULE(_core, m) {
         py::arg("kv_lens") = py::none(), py::arg("causal_offsets") = py::none(), py::arg("num_heads") = 0,
         "Low-level attention entry; arguments prepared by pyattn._api.");
   m.def("sdpa_simple", &sdpa_simple, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("causal"),
-        py::arg("enable_gqa"), py::arg("scale"), py::arg("num_threads"),
+        py::arg("enable_gqa"), py::arg("scale"), py::arg("num_threads"), py::arg("attn_mask") = py::none(),
         "scaled_dot_product_attention for plain q/k/v only (0/1/2 = no/upper-left/lower-right causal); "
         "None when the call needs the general path.");
   m.def("pack_weights", &pack_weights_py, py::arg("weight"),
