@@ -13,10 +13,10 @@ sdpa = pyattn.scaled_dot_product_attention
 
 
 def general(q, k, v, **kwargs):
-    """The general Python path: out= keeps a call off the simple path."""
-    shape = np.broadcast_shapes(q.shape[:-3], k.shape[:-3]) + q.shape[-3:-1] + v.shape[-1:]
-    out = np.empty(shape, q.dtype)
-    return sdpa(q, k, v, out=out, **kwargs)
+    """The general Python path: a NumPy integer thread count keeps a call off the simple path (which
+    takes plain ints only); results do not depend on the thread count."""
+    kwargs["num_threads"] = np.int64(kwargs.get("num_threads", 2))
+    return sdpa(q, k, v, **kwargs)
 
 
 def inputs(rng, dtype, batch, q_heads, kv_heads, q_len, kv_len, head_dim, value_dim, layout):
@@ -160,3 +160,41 @@ def test_simple_path_declines_masks(rng, case):
     q, k, v = plain(rng)
     mask = MASK_DECLINED[case](rng.random((2, 4, 5, 7)) < 0.5)
     assert _core.sdpa_simple(q, k, v, 0, False, None, 0, mask) is None
+
+
+def test_simple_path_writes_out(rng, isa):
+    q, k, v = plain(rng)
+    mask = rng.random((5, 7)) < 0.6
+    out = np.full((2, 4, 5, 6), np.nan, np.float32)
+    result = _core.sdpa_simple(q, k, v, 1, False, None, 0, mask, out)
+    assert result is out
+    np.testing.assert_array_equal(out, general(q, k, v, attn_mask=mask, is_causal=True))
+    assert sdpa(q, k, v, mask, is_causal=True, out=out) is out
+
+
+OUT_DECLINED = {
+    "float64": lambda q: np.empty((2, 4, 5, 6), np.float64),
+    "shape": lambda q: np.empty((2, 4, 5, 7), np.float32),
+    "ndim": lambda q: np.empty((8, 5, 6), np.float32),
+    "not contiguous": lambda q: np.empty((2, 4, 5, 12), np.float32)[..., ::2],
+    "read-only": lambda q: np.broadcast_to(np.empty((1, 4, 5, 6), np.float32), (2, 4, 5, 6)),
+    "list": lambda q: np.empty((2, 4, 5, 6), np.float32).tolist(),
+    "subclass": lambda q: np.ma.asarray(np.empty((2, 4, 5, 6), np.float32)),
+}
+
+
+@pytest.mark.parametrize("case", list(OUT_DECLINED))
+def test_simple_path_declines_out(rng, case):
+    q, k, v = plain(rng)
+    assert _core.sdpa_simple(q, k, v, 0, False, None, 0, None, OUT_DECLINED[case](q)) is None
+
+
+def test_simple_path_declines_out_overlapping_an_input(rng):
+    q, k, v = plain(rng)
+    buf = np.empty(q.size + 240, np.float32)
+    q2 = buf[: q.size].reshape(q.shape)
+    q2[...] = q
+    out = buf[100:340].reshape(2, 4, 5, 6)  # C-contiguous, inside q2's memory
+    assert _core.sdpa_simple(q2, k, v, 0, False, None, 0, None, out) is None
+    with pytest.raises(ValueError, match="out: must not overlap query"):
+        sdpa(q2, k, v, out=out)

@@ -12,6 +12,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -19,6 +20,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention.h"
@@ -259,14 +261,15 @@ bool exact_ndarray(const py::object& obj) {
   return Py_TYPE(obj.ptr()) == nd_type;
 }
 
-// The common call, q/k/v of one float dtype with equal leading shapes and at most a broadcast mask
-// (no weights, out=, 16-bit or copied inputs): checked and launched here without the Python layer's
+// The common call, q/k/v of one float dtype with equal leading shapes, at most a broadcast mask and
+// an out= array (no weights, 16-bit or copied inputs): checked and launched here without the Python layer's
 // general machinery (~15 us of interpreter time per call). Returns None for anything outside that
 // case, including every error, so the Python layer takes the general path and raises its usual
 // message; for calls inside it, the arguments the kernels see are exactly the general path's.
 template <class T>
 py::object sdpa_simple_t(const py::array& q, const py::array& k, const py::array& v, const py::object& mask_obj,
-                         int causal, bool gqa, double scale, bool default_scale, int num_threads) {
+                         const py::object& out_obj, int causal, bool gqa, double scale, bool default_scale,
+                         int num_threads) {
   const py::ssize_t nd = q.ndim();
   if ((nd != 3 && nd != 4) || k.ndim() != nd || v.ndim() != nd) return py::none();
   for (const py::array* x : {&q, &k, &v}) {
@@ -315,16 +318,38 @@ py::object sdpa_simple_t(const py::array& q, const py::array& k, const py::array
   }
 
   // The output first (before the offsets, as in the general path): an impossible size is the
-  // general path's ValueError, not a MemoryError from here.
+  // general path's ValueError, not a MemoryError from here. A caller's out= must be exactly what the
+  // general path accepts: q's dtype and the output shape, C-contiguous, writeable, and no memory
+  // bounds shared with an input (np.may_share_memory's test).
   std::vector<py::ssize_t> shape(q.shape(), q.shape() + nd);
   shape[size_t(nd - 1)] = value_dim;
-  py::array_t<T> out;
-  try {
-    out = py::array_t<T>(shape);
-  } catch (const py::error_already_set&) {
-    return py::none();
-  } catch (const std::bad_alloc&) {
-    return py::none();
+  py::array out;
+  if (!out_obj.is_none()) {
+    if (!exact_ndarray(out_obj)) return py::none();
+    out = py::reinterpret_borrow<py::array>(out_obj);
+    if (!out.dtype().is(q.dtype()) || out.ndim() != nd || !std::equal(shape.begin(), shape.end(), out.shape()))
+      return py::none();
+    if (!(out.flags() & py::array::c_style) || !out.writeable()) return py::none();
+    auto bounds = [](const py::array& x) {
+      const Extent e = extent_of(x);
+      const char* base = static_cast<const char*>(x.data());
+      return std::make_pair(base + e.lo, base + e.hi);
+    };
+    const auto ob = bounds(out);
+    const py::array* mask_ptr = has_mask ? &mask : nullptr;
+    for (const py::array* x : {&q, &k, &v, mask_ptr}) {
+      if (x == nullptr) continue;
+      const auto xb = bounds(*x);
+      if (xb.first < ob.second && ob.first < xb.second) return py::none();
+    }
+  } else {
+    try {
+      out = py::array_t<T>(shape);
+    } catch (const py::error_already_set&) {
+      return py::none();
+    } catch (const std::bad_alloc&) {
+      return py::none();
+    }
   }
 
   auto elems = [](const py::array& x, py::ssize_t d) { return int64_t(x.strides(d) / x.itemsize()); };
@@ -367,7 +392,7 @@ py::object sdpa_simple_t(const py::array& q, const py::array& k, const py::array
   a.q = static_cast<const T*>(q.data());
   a.k = static_cast<const T*>(k.data());
   a.v = static_cast<const T*>(v.data());
-  a.out = out.mutable_data();
+  a.out = static_cast<T*>(out.mutable_data());
   a.out_stride_l = value_dim;
   a.out_stride_h = checked_mul(q_len, value_dim);
   a.out_stride_b = checked_mul(num_heads, a.out_stride_h);
@@ -379,7 +404,8 @@ py::object sdpa_simple_t(const py::array& q, const py::array& k, const py::array
 }
 
 py::object sdpa_simple(const py::object& q_obj, const py::object& k_obj, const py::object& v_obj, int causal,
-                       bool gqa, const py::object& scale, int num_threads, const py::object& mask) {
+                       bool gqa, const py::object& scale, int num_threads, const py::object& mask,
+                       const py::object& out) {
   for (const py::object* o : {&q_obj, &k_obj, &v_obj})
     if (!exact_ndarray(*o)) return py::none();
   const py::array q = py::reinterpret_borrow<py::array>(q_obj);
@@ -389,8 +415,8 @@ py::object sdpa_simple(const py::object& q_obj, const py::object& k_obj, const p
   const bool default_scale = scale.is_none();
   if (!default_scale && !PyFloat_CheckExact(scale.ptr())) return py::none();
   const double s = default_scale ? 1.0 : scale.cast<double>();
-  if (is_float32(q)) return sdpa_simple_t<float>(q, k, v, mask, causal, gqa, s, default_scale, num_threads);
-  if (is_float64(q)) return sdpa_simple_t<double>(q, k, v, mask, causal, gqa, s, default_scale, num_threads);
+  if (is_float32(q)) return sdpa_simple_t<float>(q, k, v, mask, out, causal, gqa, s, default_scale, num_threads);
+  if (is_float64(q)) return sdpa_simple_t<double>(q, k, v, mask, out, causal, gqa, s, default_scale, num_threads);
   return py::none();
 }
 
@@ -610,7 +636,7 @@ PYBIND11_MODULE(_core, m) {
         py::arg("kv_lens") = py::none(), py::arg("causal_offsets") = py::none(), py::arg("num_heads") = 0,
         "Low-level attention entry; arguments prepared by pyattn._api.");
   m.def("sdpa_simple", &sdpa_simple, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("causal"),
-        py::arg("enable_gqa"), py::arg("scale"), py::arg("num_threads"), py::arg("attn_mask") = py::none(),
+        py::arg("enable_gqa"), py::arg("scale"), py::arg("num_threads"), py::arg("attn_mask") = py::none(), py::arg("out") = py::none(),
         "scaled_dot_product_attention for plain q/k/v only (0/1/2 = no/upper-left/lower-right causal); "
         "None when the call needs the general path.");
   m.def("pack_weights", &pack_weights_py, py::arg("weight"),

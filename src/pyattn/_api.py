@@ -202,13 +202,13 @@ def scaled_dot_product_attention(
     values of forbidden keys never influence the result, even when they are NaN or Inf. Results
     are bitwise identical for any num_threads.
     """
-    if out is None and not return_weights:
+    if not return_weights:
         # Plain q/k/v: checked and launched in C++ in one step; None sends anything else (and every
         # error) through the general path below, which builds the same kernel arguments.
         causal = _SIMPLE_CAUSAL.get(is_causal) if type(is_causal) in (bool, str) else None
         threads = 0 if num_threads is None else num_threads if type(num_threads) is int and num_threads > 0 else -1
         if causal is not None and threads >= 0 and (scale is None or type(scale) is float):
-            result = _core.sdpa_simple(query, key, value, causal, bool(enable_gqa), scale, threads, attn_mask)
+            result = _core.sdpa_simple(query, key, value, causal, bool(enable_gqa), scale, threads, attn_mask, out)
             if result is not None:
                 return result
     q = _as_float_array(query, "query")
