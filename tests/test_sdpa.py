@@ -238,6 +238,33 @@ def test_mask_broadcast_shapes(isa, dtype, rng, mask_kind, mask_shape):
     check_against_reference(q, k, v, nan_guarded(mask))
 
 
+@pytest.mark.parametrize("layout", ["shared_rows", "contiguous", "strided"])
+@pytest.mark.parametrize("values", ["zero_and_neg_inf", "finite", "extremes", "nan_and_pos_inf"])
+def test_float_mask_values_and_layouts(isa, dtype, rng, layout, values):
+    # The vectorised additive-mask paths (one value per key shared by all rows, contiguous rows read
+    # through an in-register transpose, and any other stride lane by lane) against the reference,
+    # with every kind of value: 0/-inf only (then only the -inf bits matter), ordinary finite values,
+    # the dtype's extremes (must stay finite), and NaN/+inf (their rows become NaN).
+    q_len, kv_len = 40, 70
+    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=2, q_len=q_len, kv_len=kv_len, head_dim=16)
+    shape = (2, 1, 1, kv_len) if layout == "shared_rows" else (2, 2, q_len, kv_len)
+    info = np.finfo(dtype)
+    pool = {
+        "zero_and_neg_inf": [0.0, 0.0, 0.0, -np.inf],
+        "finite": [0.0, -3.0, 2.5, -1e3, -np.inf],
+        "extremes": [0.0, info.min, info.max / 4, -np.inf, 0.0],
+        "nan_and_pos_inf": [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, np.nan, np.inf, -np.inf],
+    }[values]
+    mask = rng.choice(np.array(pool, dtype=np.float64), size=shape).astype(dtype)
+    mask[..., 0] = 0.0  # every row keeps one key
+    if layout == "strided":
+        parent = np.zeros(shape[:-1] + (3 * kv_len,), dtype)
+        parent[..., ::3] = mask
+        mask = parent[..., ::3]
+    for is_causal in (False, "lower_right"):
+        check_against_reference(q, k, v, mask, is_causal=is_causal)
+
+
 def _mask_views(rng, kind, dtype):
     """Masks given as non-contiguous views: stride 0, transposed, reversed, stepped."""
     full = (BATCH, HEADS, Q_LEN, KV_LEN)

@@ -93,6 +93,22 @@ struct Simd<float> {
     const __mmask16 k = _mm512_cmp_ps_mask(x, set1(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
     return _mm512_mask_blend_ps(k, x, zero());
   }
+  // Additive masks, one vector of mask values: lanes that allow the key (x != -inf; NaN allows) and
+  // lanes that are not exactly 0 (NaN included).
+  static uint32_t allowed_lanes(reg x) {
+    return _mm512_cmp_ps_mask(x, set1(-std::numeric_limits<float>::infinity()), _CMP_NEQ_UQ);
+  }
+  static uint32_t nonzero_lanes(reg x) { return _mm512_cmp_ps_mask(x, zero(), _CMP_NEQ_UQ); }
+  // s + add * c (c = log2 e), where a finite add whose product overflows becomes +-FLT_MAX instead of
+  // +-inf (a finfo.min mask must stay finite); infinite and NaN adds pass through.
+  static reg add_scaled(reg s, reg m, float c) {
+    const reg scaled = mul(m, set1(c));
+    const reg clamped = _mm512_min_ps(set1(std::numeric_limits<float>::max()),
+                                      _mm512_max_ps(set1(std::numeric_limits<float>::lowest()), scaled));
+    const __mmask16 inf = _mm512_cmp_ps_mask(m, set1(std::numeric_limits<float>::infinity()), _CMP_EQ_OQ) |
+                          _mm512_cmp_ps_mask(m, set1(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
+    return add(s, _mm512_mask_blend_ps(inf, clamped, scaled));
+  }
   static reg exp2(reg x) {
     const reg xc = _mm512_max_ps(set1(-126.0f), x);  // second operand wins on NaN: NaN stays NaN
     const reg t = add(xc, set1(12582912.0f + 127.0f));
@@ -188,6 +204,18 @@ struct Simd<double> {
     const __mmask8 k = _mm512_cmp_pd_mask(x, set1(-std::numeric_limits<double>::infinity()), _CMP_EQ_OQ);
     return _mm512_mask_blend_pd(k, x, zero());
   }
+  static uint32_t allowed_lanes(reg x) {
+    return _mm512_cmp_pd_mask(x, set1(-std::numeric_limits<double>::infinity()), _CMP_NEQ_UQ);
+  }
+  static uint32_t nonzero_lanes(reg x) { return _mm512_cmp_pd_mask(x, zero(), _CMP_NEQ_UQ); }
+  static reg add_scaled(reg s, reg m, double c) {
+    const reg scaled = mul(m, set1(c));
+    const reg clamped = _mm512_min_pd(set1(std::numeric_limits<double>::max()),
+                                      _mm512_max_pd(set1(std::numeric_limits<double>::lowest()), scaled));
+    const __mmask8 inf = _mm512_cmp_pd_mask(m, set1(std::numeric_limits<double>::infinity()), _CMP_EQ_OQ) |
+                         _mm512_cmp_pd_mask(m, set1(-std::numeric_limits<double>::infinity()), _CMP_EQ_OQ);
+    return add(s, _mm512_mask_blend_pd(inf, clamped, scaled));
+  }
   static reg exp2(reg x) {
     const reg xc = _mm512_max_pd(set1(-1022.0), x);
     const reg t = add(xc, set1(6755399441055744.0 + 1023.0));
@@ -262,6 +290,18 @@ struct Simd<float> {
   static reg neg_inf_to_zero(reg x) {
     const reg is_ninf = _mm256_cmp_ps(x, set1(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
     return _mm256_blendv_ps(x, zero(), is_ninf);
+  }
+  static uint32_t allowed_lanes(reg x) {
+    return uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(x, set1(-std::numeric_limits<float>::infinity()), _CMP_NEQ_UQ)));
+  }
+  static uint32_t nonzero_lanes(reg x) { return uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(x, zero(), _CMP_NEQ_UQ))); }
+  static reg add_scaled(reg s, reg m, float c) {
+    const reg scaled = mul(m, set1(c));
+    const reg clamped = _mm256_min_ps(set1(std::numeric_limits<float>::max()),
+                                      _mm256_max_ps(set1(std::numeric_limits<float>::lowest()), scaled));
+    const reg inf = _mm256_or_ps(_mm256_cmp_ps(m, set1(std::numeric_limits<float>::infinity()), _CMP_EQ_OQ),
+                                 _mm256_cmp_ps(m, set1(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ));
+    return add(s, _mm256_blendv_ps(clamped, scaled, inf));
   }
   static reg exp2(reg x) {
     const reg xc = _mm256_max_ps(set1(-126.0f), x);
@@ -352,6 +392,18 @@ struct Simd<double> {
     const reg is_ninf = _mm256_cmp_pd(x, set1(-std::numeric_limits<double>::infinity()), _CMP_EQ_OQ);
     return _mm256_blendv_pd(x, zero(), is_ninf);
   }
+  static uint32_t allowed_lanes(reg x) {
+    return uint32_t(_mm256_movemask_pd(_mm256_cmp_pd(x, set1(-std::numeric_limits<double>::infinity()), _CMP_NEQ_UQ)));
+  }
+  static uint32_t nonzero_lanes(reg x) { return uint32_t(_mm256_movemask_pd(_mm256_cmp_pd(x, zero(), _CMP_NEQ_UQ))); }
+  static reg add_scaled(reg s, reg m, double c) {
+    const reg scaled = mul(m, set1(c));
+    const reg clamped = _mm256_min_pd(set1(std::numeric_limits<double>::max()),
+                                      _mm256_max_pd(set1(std::numeric_limits<double>::lowest()), scaled));
+    const reg inf = _mm256_or_pd(_mm256_cmp_pd(m, set1(std::numeric_limits<double>::infinity()), _CMP_EQ_OQ),
+                                 _mm256_cmp_pd(m, set1(-std::numeric_limits<double>::infinity()), _CMP_EQ_OQ));
+    return add(s, _mm256_blendv_pd(clamped, scaled, inf));
+  }
   static reg exp2(reg x) {
     const reg xc = _mm256_max_pd(set1(-1022.0), x);
     const reg t = add(xc, set1(6755399441055744.0 + 1023.0));
@@ -409,6 +461,14 @@ struct Simd {
   static reg max(reg a, reg b) { return a > b ? a : b; }
   static reg fma_nonzero(reg a, reg b, reg c) { return a != T(0) ? a * b + c : c; }
   static reg neg_inf_to_zero(reg x) { return x == -std::numeric_limits<T>::infinity() ? T(0) : x; }
+  static uint32_t allowed_lanes(reg x) { return x != -std::numeric_limits<T>::infinity(); }
+  static uint32_t nonzero_lanes(reg x) { return x != T(0) || std::isnan(x); }
+  static reg add_scaled(reg s, reg m, T c) {
+    T scaled = m * c;
+    if (std::isinf(scaled) && std::isfinite(m))
+      scaled = m < T(0) ? std::numeric_limits<T>::lowest() : std::numeric_limits<T>::max();
+    return s + scaled;
+  }
   static reg exp2(reg x) { return std::exp2(x); }
   static T hsum(reg x) { return x; }
   static reg hsum_lanes(const reg* x) { return x[0]; }
