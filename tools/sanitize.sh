@@ -44,9 +44,11 @@ venv_python="$work/venv/bin/python"
 "$venv_python" -m pip install --quiet --upgrade pip
 "$venv_python" -m pip install --quiet numpy "pytest>=7" "hypothesis>=6"
 # RelWithDebInfo keeps -g (the CMake file still adds -O3); install.strip=false keeps the symbols so
-# reports show function names and lines.
+# reports show function names and lines. Warnings are errors in this build (PYATTN_WERROR), so CI
+# also fails on a new compiler warning.
 "$venv_python" -m pip install --quiet . \
   -Ccmake.define.PYATTN_SANITIZE="$sanitizers" \
+  -Ccmake.define.PYATTN_WERROR=ON \
   -Ccmake.build-type=RelWithDebInfo \
   -Cinstall.strip=false \
   -Cbuild-dir="$work/build"
