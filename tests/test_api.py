@@ -226,6 +226,14 @@ def test_num_threads_numpy_int(qkv):
     np.testing.assert_array_equal(sdpa(*qkv, num_threads=np.int64(2)), sdpa(*qkv, num_threads=2))
 
 
+@pytest.mark.parametrize("num_threads", [2**31 - 1, 2**31, 2**40, np.int64(2**40)])
+def test_num_threads_beyond_a_c_int_is_capped(qkv, num_threads):
+    # More threads than work items are never started; a count beyond a C int is no error.
+    out = np.empty_like(sdpa(*qkv))
+    np.testing.assert_array_equal(sdpa(*qkv, num_threads=num_threads), sdpa(*qkv))
+    np.testing.assert_array_equal(sdpa(*qkv, num_threads=num_threads, out=out), sdpa(*qkv))
+
+
 @pytest.fixture
 def restore_num_threads():
     yield

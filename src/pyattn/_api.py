@@ -29,6 +29,7 @@ def _is_half(dtype):
     return dtype.itemsize == 2 and dtype.name in _HALF_STORAGE
 _CAUSAL = {False: None, True: "upper_left", "upper_left": "upper_left", "lower_right": "lower_right"}
 _SIMPLE_CAUSAL = {False: 0, True: 1, "upper_left": 1, "lower_right": 2}  # _core.sdpa_simple's codes
+_MAX_THREADS = 2**31 - 1  # the core takes a C int; larger requests are capped (threads <= work items anyway)
 
 
 def _as_float_array(x, name):
@@ -127,7 +128,7 @@ def _threads_value(num_threads):
         raise TypeError(f"num_threads: expected an int or None, got {type(num_threads).__name__}")
     if num_threads < 1:
         raise ValueError(f"num_threads: must be >= 1, got {num_threads}")
-    return int(num_threads)
+    return min(int(num_threads), _MAX_THREADS)  # more than a C int can hold means "as many as useful"
 
 
 def _causal_value(is_causal):
@@ -206,7 +207,8 @@ def scaled_dot_product_attention(
         # Plain q/k/v: checked and launched in C++ in one step; None sends anything else (and every
         # error) through the general path below, which builds the same kernel arguments.
         causal = _SIMPLE_CAUSAL.get(is_causal) if type(is_causal) in (bool, str) else None
-        threads = 0 if num_threads is None else num_threads if type(num_threads) is int and num_threads > 0 else -1
+        plain_int = type(num_threads) is int and 0 < num_threads <= _MAX_THREADS
+        threads = 0 if num_threads is None else num_threads if plain_int else -1
         if causal is not None and threads >= 0 and (scale is None or type(scale) is float):
             result = _core.sdpa_simple(query, key, value, causal, bool(enable_gqa), scale, threads, attn_mask, out)
             if result is not None:
