@@ -250,6 +250,13 @@ def test_set_get_num_threads(restore_num_threads, qkv):
     np.testing.assert_array_equal(sdpa(*qkv), with_three)
 
 
+def test_set_num_threads_beyond_a_c_int_is_capped(restore_num_threads, qkv):
+    pyattn.set_num_threads(2**40)
+    assert pyattn.get_num_threads() == 2**31 - 1
+    expected = sdpa(*qkv, num_threads=1)
+    np.testing.assert_array_equal(sdpa(*qkv), expected)
+
+
 @pytest.mark.parametrize("bad", [0, -2])
 def test_set_num_threads_rejects(restore_num_threads, bad):
     with pytest.raises(ValueError, match=r"\bn\b|num_threads"):
