@@ -368,16 +368,17 @@ py::object sdpa_simple_t(const py::array& q, const py::array& k, const py::array
   a.causal_offset = causal == 2 ? kv_len - q_len : 0;
   a.scale = default_scale ? 1.0 / std::sqrt(double(head_dim)) : scale;
   std::vector<int64_t> offsets(size_t(4 * a.batch_heads));
+  // Element strides of the batch and head axes (0 where the axis has size 1, as _api._lead_strides).
+  auto lead = [&](const py::array& x, py::ssize_t d) { return x.shape(d) > 1 ? elems(x, d) : int64_t(0); };
+  const int64_t qs[2] = {nd == 4 ? lead(q, 0) : 0, lead(q, h)}, ks[2] = {nd == 4 ? lead(k, 0) : 0, lead(k, h)},
+                vs[2] = {nd == 4 ? lead(v, 0) : 0, lead(v, h)};
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t hq = 0; hq < num_heads; ++hq) {
       const int64_t bh = b * num_heads + hq, hk = hq / a.group;
-      const int64_t qb = nd == 4 && batch > 1 ? b * elems(q, 0) : 0;
-      const int64_t kb = nd == 4 && batch > 1 ? b * elems(k, 0) : 0;
-      const int64_t vb = nd == 4 && batch > 1 ? b * elems(v, 0) : 0;
-      offsets[size_t(bh)] = qb + (num_heads > 1 ? hq * elems(q, h) : 0);
-      offsets[size_t(a.batch_heads + bh)] = kb + (kv_heads > 1 ? hk * elems(k, h) : 0);
-      offsets[size_t(2 * a.batch_heads + bh)] = vb + (kv_heads > 1 ? hk * elems(v, h) : 0);
-      offsets[size_t(3 * a.batch_heads + bh)] = (nd == 4 ? b * m_lead[0] : 0) + hq * m_lead[1];
+      offsets[size_t(bh)] = b * qs[0] + hq * qs[1];
+      offsets[size_t(a.batch_heads + bh)] = b * ks[0] + hk * ks[1];
+      offsets[size_t(2 * a.batch_heads + bh)] = b * vs[0] + hk * vs[1];
+      offsets[size_t(3 * a.batch_heads + bh)] = b * m_lead[0] + hq * m_lead[1];
     }
   if (has_mask) {
     a.masks[0].data = mask.data();

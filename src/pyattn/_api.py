@@ -28,7 +28,8 @@ _DIRECT_HALF_MAX_Q_LEN = 4
 def _is_half(dtype):
     return dtype.itemsize == 2 and dtype.name in _HALF_STORAGE
 _CAUSAL = {False: None, True: "upper_left", "upper_left": "upper_left", "lower_right": "lower_right"}
-_SIMPLE_CAUSAL = {False: 0, True: 1, "upper_left": 1, "lower_right": 2}  # _core.sdpa_simple's codes
+# The same choices as _core.sdpa_simple's codes (0 none, 1 upper-left, 2 lower-right).
+_SIMPLE_CAUSAL = {k: {None: 0, "upper_left": 1, "lower_right": 2}[v] for k, v in _CAUSAL.items()}
 _MAX_THREADS = 2**31 - 1  # the core takes a C int; larger requests are capped (threads <= work items anyway)
 
 
