@@ -63,6 +63,18 @@ inline float half_to_float(uint16_t h) {
   return bits_to_float(sign | ((exp + 127 - 15) << 23) | (man << 13));
 }
 
+// An additive mask value in log2 units (times c = log2 e). A finite value whose product overflows
+// (Hugging Face masks use finfo.min) becomes the dtype's lowest/max instead of -inf/+inf, or an
+// allowed key would turn into a forbidden one; infinite and NaN values pass through. The vector
+// flavours' add_scaled do the same per lane.
+template <class T>
+inline T mask_to_log2(T value, T c) {
+  const T scaled = value * c;
+  if (std::isinf(scaled) && std::isfinite(value))
+    return value < T(0) ? std::numeric_limits<T>::lowest() : std::numeric_limits<T>::max();
+  return scaled;
+}
+
 template <class T>
 struct Simd;
 
@@ -463,12 +475,7 @@ struct Simd {
   static reg neg_inf_to_zero(reg x) { return x == -std::numeric_limits<T>::infinity() ? T(0) : x; }
   static uint32_t allowed_lanes(reg x) { return x != -std::numeric_limits<T>::infinity(); }
   static uint32_t nonzero_lanes(reg x) { return x != T(0) || std::isnan(x); }
-  static reg add_scaled(reg s, reg m, T c) {
-    T scaled = m * c;
-    if (std::isinf(scaled) && std::isfinite(m))
-      scaled = m < T(0) ? std::numeric_limits<T>::lowest() : std::numeric_limits<T>::max();
-    return s + scaled;
-  }
+  static reg add_scaled(reg s, reg m, T c) { return s + mask_to_log2(m, c); }
   static reg exp2(reg x) { return std::exp2(x); }
   static T hsum(reg x) { return x; }
   static reg hsum_lanes(const reg* x) { return x[0]; }
