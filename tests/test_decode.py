@@ -756,6 +756,24 @@ def test_cache_attend_and_layer_bitwise_across_thread_counts(isa, rng, name):
         np.testing.assert_array_equal(r, outs[0])
 
 
+@pytest.mark.parametrize("name", ["float32", "float64"])
+def test_cache_attend_independent_of_max_len(isa, rng, name):
+    # The core sees the filled part only: a roomy cache (max_len far beyond the content) attends
+    # bit for bit like a tight one and like scaled_dot_product_attention on the filled views (the
+    # key-range split depends on kv_len, so passing max_len as kv_len changed the merge order).
+    keys, values = kv(rng, 1, 2, 600, 16).astype(name), kv(rng, 1, 2, 600, 16).astype(name)
+    q = random_array(rng, (1, 8, 1, 16), np.dtype(name))
+    outs = []
+    for max_len in (600, 4096, 65536):
+        cache = pyattn.KVCache(1, 2, 16, max_len, dtype=name)
+        cache.append(keys[:, :, :599], values[:, :, :599])
+        cache.append(keys[:, :, 599:], values[:, :, 599:])
+        outs.append(cache.attend(q))
+    expected = sdpa(q, keys, values, is_causal="lower_right", enable_gqa=True)
+    for out in outs:
+        np.testing.assert_array_equal(out, expected)
+
+
 @pytest.mark.parametrize("q_len", [1, 4, 6])
 @pytest.mark.parametrize("name", HALF_NAMES)
 def test_half_sdpa_layouts_and_broadcast(isa, rng, name, q_len):

@@ -195,14 +195,15 @@ class KVCache:
         k, v = self._k, self._v
         storage = 0
         copied = False
+        # The core sees the filled part only (kv_len = the longest row, not max_len): its work split
+        # depends on kv_len, and chunks past every row's length would be empty work items.
+        kv_len = int(self.lengths.max())
         if half and chunk <= _DIRECT_HALF_MAX_Q_LEN:
             storage = self._half
             k, v = k.view(np.uint16), v.view(np.uint16)
-        elif half:
-            filled = int(self.lengths.max())  # long chunks (prefill): float32 copies of the filled part
-            k, v = k[:, :, :filled].astype(np.float32), v[:, :, :filled].astype(np.float32)
+        elif half:  # long chunks (prefill): float32 copies of the filled part
+            k, v = k[:, :, :kv_len].astype(np.float32), v[:, :, :kv_len].astype(np.float32)
             copied = True
-        kv_len = k.shape[2]
         group = num_heads // self.num_kv_heads
         item_k, item_v = k.strides[3], v.strides[3]
         # The offsets only depend on the layout: built once per (heads, chunk, storage, q strides) for
@@ -229,7 +230,7 @@ class KVCache:
             [q.strides[2] // q.itemsize, k.strides[2] // item_k, v.strides[2] // item_v, 0, 0],
             [self.batch * num_heads, chunk, kv_len, self.head_dim, self.value_dim, group],
             True, 0, scale_value, _threads_value(num_threads), kv_storage=storage,
-            kv_lens=np.ascontiguousarray(np.minimum(self.lengths, kv_len)), causal_offsets=causal_offsets,
+            kv_lens=self.lengths, causal_offsets=causal_offsets,
             num_heads=num_heads,
         )
         return out
