@@ -88,6 +88,7 @@ struct Simd<float> {
   static constexpr int col_tile = 4;
   static constexpr int gemm_rows = 6;  // GEMM: 6 rows x 4 zmm = 24 accumulators, 10 loads per 24 FMAs
   static constexpr int gemm_vecs = 4;
+  static constexpr int vec_regs = 32;  // architectural vector registers (zmm0-31)
   static reg zero() { return _mm512_setzero_ps(); }
   static reg set1(float x) { return _mm512_set1_ps(x); }
   static reg load(const float* p) { return _mm512_loadu_ps(p); }
@@ -208,6 +209,7 @@ struct Simd<double> {
   static constexpr int col_tile = 4;
   static constexpr int gemm_rows = 6;
   static constexpr int gemm_vecs = 4;
+  static constexpr int vec_regs = 32;
   static reg zero() { return _mm512_setzero_pd(); }
   static reg set1(double x) { return _mm512_set1_pd(x); }
   static reg load(const double* p) { return _mm512_loadu_pd(p); }
@@ -301,6 +303,7 @@ struct Simd<float> {
   static constexpr int col_tile = 6;
   static constexpr int gemm_rows = 6;  // GEMM: 6 rows x 2 ymm = 12 accumulators + 2 loads + 1 broadcast
   static constexpr int gemm_vecs = 2;
+  static constexpr int vec_regs = 16;  // ymm0-15
   static reg zero() { return _mm256_setzero_ps(); }
   static reg set1(float x) { return _mm256_set1_ps(x); }
   static reg load(const float* p) { return _mm256_loadu_ps(p); }
@@ -409,6 +412,7 @@ struct Simd<double> {
   static constexpr int col_tile = 6;
   static constexpr int gemm_rows = 6;
   static constexpr int gemm_vecs = 2;
+  static constexpr int vec_regs = 16;
   static reg zero() { return _mm256_setzero_pd(); }
   static reg set1(double x) { return _mm256_set1_pd(x); }
   static reg load(const double* p) { return _mm256_loadu_pd(p); }
@@ -489,6 +493,7 @@ struct Simd {
   static constexpr int col_tile = 4;
   static constexpr int gemm_rows = 4;
   static constexpr int gemm_vecs = 4;
+  static constexpr int vec_regs = 0;  // plain scalars: no vector register tiles
   static reg zero() { return T(0); }
   static reg set1(T x) { return x; }
   static reg load(const T* p) { return *p; }
