@@ -70,24 +70,14 @@ class Timing:
     min: float
     runs: int
 
+    @staticmethod
+    def of(samples: Sequence[float]) -> Timing:
+        return Timing(statistics.median(samples), min(samples), len(samples))
 
-def time_call(
-    fn: Callable[[], Any],
-    *,
-    min_time: float = 0.3,
-    min_runs: int = 5,
-    max_runs: int = 10_000,
-    warmup: int = 1,
-    settle: float = 0.1,
-) -> tuple[Timing, Any]:
-    """Time `fn()` with time.perf_counter: sleep `settle` s, `warmup` untimed calls, then repeat
-    until both `min_runs` runs and `min_time` seconds of timed calls are reached (at most `max_runs`).
 
-    Returns the timing and the result of the last call. The sleep lets the worker threads of the
-    library timed before go idle: OpenBLAS threads keep spinning for ~0.1 s after a call and, on a
-    machine with few cores, measurably slow whatever runs next. The garbage collector is paused
-    while timing so that a collection of another library's garbage does not land in a sample.
-    """
+def _samples(fn: Callable[[], Any], min_time: float, min_runs: int, max_runs: int, warmup: int,
+             settle: float) -> tuple[list[float], Any]:
+    """Timed calls of fn (see time_call): the samples in seconds and the last call's result."""
     time.sleep(settle)
     result = None
     for _ in range(warmup):
@@ -106,7 +96,90 @@ def time_call(
     finally:
         if gc_was_enabled:
             gc.enable()
-    return Timing(statistics.median(samples), min(samples), len(samples)), result
+    return samples, result
+
+
+def time_call(
+    fn: Callable[[], Any],
+    *,
+    min_time: float = 0.3,
+    min_runs: int = 5,
+    max_runs: int = 10_000,
+    warmup: int = 1,
+    settle: float = 0.1,
+) -> tuple[Timing, Any]:
+    """Time `fn()` with time.perf_counter: sleep `settle` s, `warmup` untimed calls, then repeat
+    until both `min_runs` runs and `min_time` seconds of timed calls are reached (at most `max_runs`).
+
+    Returns the timing and the result of the last call. The sleep lets the worker threads of the
+    library timed before go idle: OpenBLAS threads keep spinning for ~0.1 s after a call and, on a
+    machine with few cores, measurably slow whatever runs next. The garbage collector is paused
+    while timing so that a collection of another library's garbage does not land in a sample.
+    """
+    samples, result = _samples(fn, min_time, min_runs, max_runs, warmup, settle)
+    return Timing.of(samples), result
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[], Any]],
+    *,
+    rounds: int = 3,
+    min_time: float = 0.3,
+    min_runs: int = 5,
+    warmup: int = 1,
+    settle: float = 0.1,
+    contexts: dict[str, Callable[[], Any]] | None = None,
+) -> dict[str, tuple[Timing, Any] | Exception]:
+    """Time several callables in `rounds` alternating blocks: a, b, c, a, b, c, ... Each block is one
+    callable's calls back to back (as in time_call: two libraries' OpenMP threads spinning at once
+    would slow each other), and every callable's samples are spread over the same stretch of time,
+    so that a slow spell of this shared machine (another tenant, a frequency change) lands on all of
+    them alike instead of on whichever happened to run then; the ratios of the medians of the pooled
+    samples are what the tables report. min_time and min_runs are totals over the rounds; warm-up
+    calls are made in the first round only. `contexts` optionally maps a name to a context manager
+    factory entered around that callable's blocks (e.g. a BLAS thread limit). A callable that raises
+    is reported as its exception and not called again."""
+    pooled: dict[str, list[float]] = {name: [] for name in fns}
+    results: dict[str, Any] = {}
+    failed: dict[str, Exception] = {}
+    rounds = max(1, rounds)
+    for r in range(rounds):
+        for name, fn in fns.items():
+            if name in failed:
+                continue
+            ctx = contexts.get(name) if contexts else None
+            try:
+                with ctx() if ctx else contextlib.nullcontext():
+                    samples, results[name] = _samples(
+                        fn, min_time / rounds, -(-min_runs // rounds), 10_000, warmup if r == 0 else 0, settle
+                    )
+            except Exception as exc:  # noqa: BLE001  (reported to the caller, which decides)
+                failed[name] = exc
+                continue
+            pooled[name].extend(samples)
+    return {name: failed[name] if name in failed else (Timing.of(pooled[name]), results[name]) for name in fns}
+
+
+ROUNDS_DEFAULT = 3  # alternating timing blocks per library and row (time_interleaved); 1 with --quick
+
+
+def add_rounds_argument(parser) -> None:
+    """The --rounds option of every bench script (resolve with rounds_value)."""
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help=f"alternating timing blocks per library and row, samples pooled (default {ROUNDS_DEFAULT}, "
+        "--quick 1): a slow spell of a shared machine then hits every library alike",
+    )
+
+
+def rounds_value(args, parser) -> int:
+    if args.rounds is None:
+        return 1 if args.quick else ROUNDS_DEFAULT
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    return args.rounds
 
 
 def cpu_model() -> str:

@@ -17,13 +17,15 @@ float32: one query per head over all S cached keys (lower-right causal = every k
 Python-side argument handling and the output allocation included. attend() does not modify the
 cache, so every repetition reads exactly the same S keys and values.
 
-Peers (each library timed in its own block, with a pause before each block: two OpenMP runtimes
-spin-waiting side by side interfere on a machine with few cores):
+Peers (each library timed in its own blocks, with a pause before each block: two OpenMP runtimes
+spin-waiting side by side interfere on a machine with few cores; torch and every cache dtype take
+turns in --rounds alternating blocks per shape, samples pooled, so that a slow spell of the machine
+hits all of them alike):
 
 * torch: ``torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)`` under
   ``torch.inference_mode()`` and ``torch.set_num_threads(T)``, on the float32 cache's own memory
-  (``torch.from_numpy(cache.keys())``, no copy). torch runs once per shape, in float32: the 16-bit
-  rows compare pyattn's 16-bit cache against that same float32 torch time;
+  (``torch.from_numpy(cache.keys())``, no copy). torch is timed once per shape, in float32: the
+  16-bit rows compare pyattn's 16-bit cache against that same float32 torch time;
 * ref: ``pyattn.reference.scaled_dot_product_attention`` (float64 NumPy) on the cache's stored values
   (already rounded for 16-bit caches), only where B*S <= 4096: it is the error yardstick, and its time
   is shown for scale, not as a tuned peer.
@@ -65,7 +67,10 @@ from _common import (
     fmt_ms,
     import_pyattn,
     now_iso,
+    add_rounds_argument,
+    rounds_value,
     time_call,
+    time_interleaved,
     wait_for_idle,
     finish_run,
 )
@@ -149,8 +154,8 @@ def max_abs_diff(a, b) -> float:
 # Rows
 
 
-def time_torch(q, cache, timing):
-    """torch SDPA (enable_gqa, inference_mode) on the float32 cache's memory: timing, output."""
+def torch_step(q, cache):
+    """torch SDPA (enable_gqa, inference_mode) on the float32 cache's memory, as a callable."""
     import torch
 
     tq, tk, tv = torch.from_numpy(q), torch.from_numpy(cache.keys()), torch.from_numpy(cache.values())
@@ -159,8 +164,7 @@ def time_torch(q, cache, timing):
         with torch.inference_mode():
             return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
 
-    t, out = time_call(run, **timing)
-    return t, out.numpy()
+    return run
 
 
 def time_reference(pyattn, q, cache, timing):
@@ -170,30 +174,44 @@ def time_reference(pyattn, q, cache, timing):
                      **timing)
 
 
+def kv_read_gbs(pyattn, cache, threads) -> float:
+    """A plain streaming read of the cache's K and V arrays (any dtype, ml_dtypes too)."""
+    return float(pyattn._core.read_buffers_gbs([cache.keys().view(np.uint8), cache.values().view(np.uint8)], threads))
+
+
 def case_rows(pyattn, case: Case, args, bandwidth) -> list[dict]:
-    """All rows of one shape: pyattn per cache dtype, torch once (float32), reference if small."""
+    """All rows of one shape: pyattn per cache dtype and torch (float32 cache) timed in alternating
+    blocks (time_interleaved), the reference if small."""
     import torch
 
     rng = np.random.default_rng(args.seed)
-    timing = dict(min_time=args.min_time, min_runs=args.min_runs, warmup=WARMUP, settle=PAUSE)
     q = rng.standard_normal((case.batch, NUM_HEADS, 1, HEAD_DIM), dtype=np.float32)
     t0 = time.perf_counter()
     f32 = filled_cache(pyattn, case, "float32", rng)
     fill_s = time.perf_counter() - t0
+    caches = {name: f32 if name == "float32" else filled_cache(pyattn, case, name, rng, source=f32)
+              for name in args.dtypes}
+    read_before = {name: kv_read_gbs(pyattn, c, args.threads) for name, c in caches.items()}
 
     # torch on the float32 cache's memory (max_len == S, so keys()/values() are contiguous views).
     torch.set_num_threads(args.threads)
-    t_torch, torch_out = time_torch(q, f32, timing)
+    fns = {"torch": torch_step(q, f32)}
+    for name, cache in caches.items():
+        fns[name] = lambda c=cache: c.attend(q, num_threads=args.threads)
+    timed = time_interleaved(fns, rounds=args.rounds, min_time=args.min_time, min_runs=args.min_runs,
+                             warmup=WARMUP, settle=PAUSE)
+    for name, result in timed.items():
+        if isinstance(result, Exception):
+            raise result
+    t_torch, torch_out = timed["torch"]
+    torch_out = torch_out.numpy()
 
     rows = []
     f32_ms = None
-    for name in args.dtypes:
-        cache = f32 if name == "float32" else filled_cache(pyattn, case, name, rng, source=f32)
-        kv_bytes = [cache.keys().view(np.uint8), cache.values().view(np.uint8)]  # any dtype (ml_dtypes too)
-        read_before = float(pyattn._core.read_buffers_gbs(kv_bytes, args.threads))
-        t_pyattn, out = time_call(lambda c=cache: c.attend(q, num_threads=args.threads), **timing)
+    for name, cache in caches.items():
+        t_pyattn, out = timed[name]
         # Again after: the kernel's khugepaged may have turned the arrays into huge pages meanwhile.
-        read_gbs = max(read_before, float(pyattn._core.read_buffers_gbs(kv_bytes, args.threads)))
+        read_gbs = max(read_before[name], kv_read_gbs(pyattn, cache, args.threads))
         ms = t_pyattn.median * 1e3
         nbytes = case.kv_bytes(cache.dtype.itemsize)
         gbs = nbytes / t_pyattn.median / 1e9
@@ -229,7 +247,7 @@ def case_rows(pyattn, case: Case, args, bandwidth) -> list[dict]:
         elif f32_ms is not None:
             row["vs_f32_cache"] = f32_ms / ms
         if case.has_reference:
-            ref_timing = dict(timing, min_runs=min(args.min_runs, 3), warmup=0, min_time=0.0)
+            ref_timing = dict(min_runs=min(args.min_runs, 3), warmup=0, min_time=0.0, settle=PAUSE)
             t_ref, ref = time_reference(pyattn, q, cache, ref_timing)
             row["reference_ms"] = t_ref.median * 1e3
             row["max_abs_err"], row["err_vs"] = max_abs_diff(out, ref), "ref"
@@ -238,8 +256,6 @@ def case_rows(pyattn, case: Case, args, bandwidth) -> list[dict]:
         elif name == "float32":
             row["max_abs_err"], row["err_vs"] = max_abs_diff(out, torch_out), "torch"
         rows.append(row)
-        if cache is not f32:
-            del cache
     return rows
 
 
@@ -368,6 +384,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="random seed for the cache contents and queries")
     parser.add_argument("--json", metavar="PATH", default=None, help="save machine info and all rows as JSON")
     parser.add_argument("--markdown", action="store_true", help="also print the table as Markdown at the end")
+    add_rounds_argument(parser)
     args = parser.parse_args(argv)
     if args.threads is None or args.threads < 1:
         parser.error("--threads must be >= 1")
@@ -387,6 +404,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.min_time = 0.05 if args.quick else 0.5
     if args.min_runs is None:
         args.min_runs = 5 if args.quick else 20
+    args.rounds = rounds_value(args, parser)
     return args
 
 
@@ -481,6 +499,7 @@ def main(argv=None) -> int:
         "quick": args.quick,
         "min_time_s": args.min_time,
         "min_runs": args.min_runs,
+        "rounds": args.rounds,
         "seed": args.seed,
         "num_heads": NUM_HEADS,
         "head_dim": HEAD_DIM,

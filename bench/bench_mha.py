@@ -12,8 +12,10 @@ never changes them, it prints a warning, hence the ``env -u`` above.
 
 Everything is float32 with the same thread count for every library (``--threads``, default
 os.cpu_count(); ``torch.set_num_threads``; NumPy's BLAS through threadpoolctl when installed). Each
-library is timed in its own block (warm-up, then all its repetitions, then the next library), never
-interleaved: two OpenMP runtimes spin-waiting side by side interfere on a small machine.
+library is timed in its own blocks (warm-up, then its repetitions, then the next library), never two
+at once: two OpenMP runtimes spin-waiting side by side interfere on a small machine. The blocks
+alternate (``--rounds`` per row, samples pooled), so a slow spell of the shared machine hits every
+library alike.
 
 Table 1, the layer: self-attention ``out = layer(x)`` with x (B, L, E), no mask, for BERT-base-sized
 (E=768, 12 heads; B in 1, 8; L in 128, 512) and MiniLM-sized (E=384, 12 heads, B=8, L=128) layers:
@@ -65,7 +67,10 @@ from _common import (
     now_iso,
     numpy_blas_name,
     openblas_env_warnings,
+    add_rounds_argument,
+    rounds_value,
     time_call,
+    time_interleaved,
     wait_for_idle,
     finish_run,
 )
@@ -173,8 +178,6 @@ def layer_row(pyattn, case: LayerCase, args, peak) -> dict:
     x = rng.standard_normal((case.batch, case.seq_len, case.embed_dim), dtype=DTYPE)
     timing = dict(min_time=args.min_time, min_runs=args.min_runs, warmup=WARMUP)
 
-    t_pyattn, out = time_call(lambda: layer(x, num_threads=args.threads), **timing)
-
     torch.set_num_threads(args.threads)
     tx = torch.from_numpy(x)
 
@@ -182,7 +185,9 @@ def layer_row(pyattn, case: LayerCase, args, peak) -> dict:
         with torch.inference_mode():
             return module(tx, tx, tx, need_weights=False)[0]
 
-    t_torch, torch_out = time_call(run_torch, **timing)
+    (t_pyattn, out), (t_torch, torch_out) = interleaved(
+        {"pyattn": lambda: layer(x, num_threads=args.threads), "torch": run_torch}, args
+    )
     torch_out = torch_out.numpy()
 
     row = {
@@ -218,6 +223,17 @@ def layer_row(pyattn, case: LayerCase, args, peak) -> dict:
     return row
 
 
+def interleaved(fns, args, contexts=None) -> list:
+    """(timing, result) of each callable, timed in args.rounds alternating blocks (time_interleaved);
+    a failure is raised."""
+    timed = time_interleaved(fns, rounds=args.rounds, min_time=args.min_time, min_runs=args.min_runs,
+                             warmup=WARMUP, contexts=contexts)
+    for result in timed.values():
+        if isinstance(result, Exception):
+            raise result
+    return [timed[name] for name in fns]
+
+
 def gemm_row(pyattn, case: GemmCase, args, peak) -> dict:
     """Time pyattn._core.linear (pre-packed), np.matmul and torch.mm on one GEMM shape."""
     import torch
@@ -229,17 +245,20 @@ def gemm_row(pyattn, case: GemmCase, args, peak) -> dict:
 
     packed, panel = pyattn._core.pack_weights(w)
     out = np.empty((case.m, case.n), dtype=DTYPE)
-    t_pyattn, _ = time_call(lambda: pyattn._core.linear(x, packed, panel, case.n, None, out, args.threads), **timing)
-
     out_np = np.empty_like(out)
     w_t = w.T
-    with args.blas_limit():
-        t_numpy, _ = time_call(lambda: np.matmul(x, w_t, out=out_np), **timing)
-
     torch.set_num_threads(args.threads)
     tx, tw = torch.from_numpy(x), torch.from_numpy(w)
     out_torch = torch.empty((case.m, case.n), dtype=torch.float32)
-    t_torch, _ = time_call(lambda: torch.mm(tx, tw.t(), out=out_torch), **timing)
+    (t_pyattn, _), (t_numpy, _), (t_torch, _) = interleaved(
+        {
+            "pyattn": lambda: pyattn._core.linear(x, packed, panel, case.n, None, out, args.threads),
+            "numpy": lambda: np.matmul(x, w_t, out=out_np),
+            "torch": lambda: torch.mm(tx, tw.t(), out=out_torch),
+        },
+        args,
+        contexts={"numpy": args.blas_limit},
+    )
 
     exact = x.astype(np.float64) @ w.T.astype(np.float64)
     gflops = case.flops / t_pyattn.median / 1e9
@@ -414,6 +433,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="random seed for weights and inputs")
     parser.add_argument("--json", metavar="PATH", default=None, help="save machine info and all rows as JSON")
     parser.add_argument("--markdown", action="store_true", help="also print the tables as Markdown at the end")
+    add_rounds_argument(parser)
     args = parser.parse_args(argv)
     if args.threads is None or args.threads < 1:
         parser.error("--threads must be >= 1")
@@ -421,6 +441,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.min_time = 0.05 if args.quick else 0.5
     if args.min_runs is None:
         args.min_runs = 3 if args.quick else 10
+    args.rounds = rounds_value(args, parser)
     return args
 
 
@@ -445,7 +466,7 @@ def print_header(info: dict) -> None:
         print(f"background load before the run: {busy:.1f} of {info['logical_cpus']} CPUs busy")
         if busy > BUSY_WARN_CPUS:
             print("WARNING: other processes are using the CPUs; timings will be noisy and slow")
-    print("float32; ms = median over runs after warm-up (min ms = fastest); each library timed in its own block")
+    print("float32; ms = median over runs after warm-up (min ms = fastest); each library timed in its own blocks, --rounds alternating blocks per row")
     print("layer GFLOP/s = (8*B*L*E^2 [Q,K,V,out projections, 2*M*N*K each] + 4*B*H*L*S*Dh [attention]) / time")
     print("GEMM GFLOP/s = 2*M*N*K / time; %peak = of the FMA peak above")
     print(
@@ -499,6 +520,7 @@ def main(argv=None) -> int:
         "quick": args.quick,
         "min_time_s": args.min_time,
         "min_runs": args.min_runs,
+        "rounds": args.rounds,
         "seed": args.seed,
     }
     print_header(info)

@@ -18,7 +18,8 @@ What is measured, per (shape, variant) row, all in float32 with the same thread 
   batch and heads: the last 25% of keys are padding, plus ~10% random holes; key 0 is always allowed
   so no row is fully masked);
 * pyattn time (median and min of many runs after a warm-up; runs repeat until both ``--min-time``
-  seconds and ``--min-runs`` runs are reached), GFLOP/s, % of the FMA peak measured in the same run,
+  seconds and ``--min-runs`` runs are reached, spread over ``--rounds`` blocks that alternate with
+  the peers' blocks, so a slow spell of the machine hits every library alike), GFLOP/s, % of the FMA peak measured in the same run,
   and for decode rows the K+V read bandwidth (GB/s, % of the measured read bandwidth, and %rd: % of a
   plain streaming read of that row's own K and V arrays, which shares their page backing);
 * max abs error of pyattn's output against ``pyattn.reference`` (float64). Rows with
@@ -71,7 +72,9 @@ from _common import (
     now_iso,
     numpy_blas_name,
     openblas_env_warnings,
-    time_call,
+    add_rounds_argument,
+    rounds_value,
+    time_interleaved,
     wait_for_idle,
     finish_run,
 )
@@ -379,6 +382,7 @@ def machine_info(pyattn, threads, versions, blas_threads, ceilings, busy, args) 
         "quick": args.quick,
         "min_time_s": args.min_time,
         "min_runs": args.min_runs,
+        "rounds": args.rounds,
         "seed": args.seed,
     }
 
@@ -454,21 +458,33 @@ def reference_error(reference, q, k, v, mask, is_causal, out) -> tuple[float, st
 
 
 def run_row(pyattn, case, variant, inputs, mask, peers, args, ceilings) -> dict:
-    """Time pyattn and every peer on one (case, variant) and return the row as a dict."""
+    """Time pyattn and every peer on one (case, variant) and return the row as a dict. The libraries
+    are timed in args.rounds alternating blocks (time_interleaved)."""
     q, k, v = inputs
-    timing_opts = {"min_time": args.min_time, "min_runs": args.min_runs}
     is_causal = pyattn_is_causal(case, variant)
     own_read = None
     if case.is_decode and hasattr(pyattn._core, "read_buffers_gbs"):
         # The read ceiling of these very K/V pages (huge pages or not), measured just before the row.
         arrays = [np.ascontiguousarray(k).view(np.uint8), np.ascontiguousarray(v).view(np.uint8)]
         own_read = float(pyattn._core.read_buffers_gbs(arrays, args.threads))
-    t, out = time_call(
-        lambda: pyattn.scaled_dot_product_attention(
+    fns = {
+        "pyattn": lambda: pyattn.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal, num_threads=args.threads
-        ),
-        **timing_opts,
+        )
+    }
+    peer_errors = {}
+    for name in peers:
+        try:
+            fns[name] = PEER_FACTORIES[name](case, variant, q, k, v, mask, args.threads)
+        except Exception as exc:  # noqa: BLE001  (an optional peer must not stop the bench)
+            peer_errors[name] = exc
+    timed = time_interleaved(
+        fns, rounds=args.rounds, min_time=args.min_time, min_runs=args.min_runs,
+        contexts={"numpy": args.blas_limit},
     )
+    if isinstance(timed["pyattn"], Exception):
+        raise timed["pyattn"]
+    t, out = timed["pyattn"]
     err, err_scope = reference_error(pyattn.reference, q, k, v, mask, is_causal, out)
     flops = flop_count(case, variant)
     gflops = flops / t.median / 1e9
@@ -498,14 +514,14 @@ def run_row(pyattn, case, variant, inputs, mask, peers, args, ceilings) -> dict:
     row["own_read_gbs"] = own_read
     row["pct_own_read"] = 100 * row["kv_gbs"] / own_read if (own_read and row["kv_gbs"]) else None
     for name in peers:
-        peer = run_peer(name, case, variant, q, k, v, mask, out, args, timing_opts)
+        peer = peer_result(name, case, variant, peer_errors.get(name) or timed[name], out)
         if "median_ms" in peer:
             peer["ratio"] = peer["median_ms"] / row["pyattn_ms"]
         row["peers"][name] = peer
-    timed = {n: p for n, p in row["peers"].items() if "ratio" in p}
-    if timed:
-        best = min(timed, key=lambda n: timed[n]["median_ms"])
-        row["best_peer"], row["vs_best_peer"] = best, timed[best]["ratio"]
+    ok = {n: p for n, p in row["peers"].items() if "ratio" in p}
+    if ok:
+        best = min(ok, key=lambda n: ok[n]["median_ms"])
+        row["best_peer"], row["vs_best_peer"] = best, ok[best]["ratio"]
     return row
 
 
@@ -529,16 +545,14 @@ def run_row_guarded(pyattn, case, variant, inputs, mask, peers, args, ceilings) 
     return row
 
 
-def run_peer(name, case, variant, q, k, v, mask, pyattn_out, args, timing_opts) -> dict:
-    """Time one peer; a peer that fails is reported (error string), not fatal."""
-    try:
-        fn = PEER_FACTORIES[name](case, variant, q, k, v, mask, args.threads)
-        with args.blas_limit() if name == "numpy" else contextlib.nullcontext():
-            t, res = time_call(fn, **timing_opts)
-    except Exception as exc:  # noqa: BLE001  (an optional peer must not stop the bench)
-        error = f"{type(exc).__name__}: {exc}"
+def peer_result(name, case, variant, timed, pyattn_out) -> dict:
+    """One peer's entry: its timing and agreement with pyattn, or the error that stopped it (a peer
+    that fails is reported, not fatal)."""
+    if isinstance(timed, Exception):
+        error = f"{type(timed).__name__}: {timed}"
         print(f"  note: peer {name} failed on {case.name}/{variant}: {error}", file=sys.stderr)
         return {"error": error}
+    t, res = timed
     diff = float(np.max(np.abs(np.asarray(res, dtype=np.float64) - pyattn_out)))
     if not diff <= PEER_AGREEMENT_TOL:
         print(f"  note: {name} differs from pyattn by {diff:.2e} on {case.name}/{variant}", file=sys.stderr)
@@ -651,6 +665,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--min-runs", type=int, default=None, help="minimum timed runs (default 5, --quick 3)"
     )
+    add_rounds_argument(parser)
     parser.add_argument(
         "--wait-idle",
         type=float,
@@ -669,6 +684,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.min_time = 0.05 if args.quick else 0.3
     if args.min_runs is None:
         args.min_runs = 3 if args.quick else 5
+    args.rounds = rounds_value(args, parser)
     args.variants = _split(args.variants, VARIANTS, parser, "--variants")
     args.peers = _split(args.peers, PEERS, parser, "--peers")
     return args
