@@ -364,6 +364,17 @@ def kv(rng, batch, heads, chunk, dim, dtype=np.float32):
 
 
 @pytest.mark.parametrize("name", CACHE_DTYPES)
+def test_cache_storage_is_cache_line_aligned(name):
+    # A decode step streams the cache with 64-byte vector loads; storage 16 bytes past a page (NumPy's
+    # placement of large arrays) would split every one of them across two cache lines.
+    np_dtype(name)
+    for max_len in (3, 1000, 70000):
+        cache = pyattn.KVCache(2, 3, 40, max_len, value_dim=24, dtype=name)
+        assert cache.keys(0).ctypes.data % 64 == 0 and cache.values(0).ctypes.data % 64 == 0
+        assert cache.keys(0).base is not None  # still views of the storage, not copies
+
+
+@pytest.mark.parametrize("name", CACHE_DTYPES)
 def test_cache_attributes_append_views(rng, name):
     storage = np_dtype(name)
     cache = pyattn.KVCache(2, 3, 8, 10, value_dim=5, dtype=name)

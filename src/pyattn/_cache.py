@@ -34,6 +34,20 @@ def _storage_dtype(dtype):
     return dtype
 
 
+# Cache-line alignment of the storage. NumPy places large arrays 16 bytes past a page boundary, so
+# every 64-byte vector load of a K/V row would straddle two cache lines; a decode step reads every
+# byte of the cache with such loads (float32, 32 query heads over 8 KV heads, 64k tokens, one
+# thread: 64-65 -> 52-55 ns per 1 KiB key+value row when aligned).
+_ALIGN = 64
+
+
+def _aligned_zeros(shape, dtype):
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.zeros(nbytes + _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
 def _positive_int(value, name, minimum=1):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
@@ -66,8 +80,8 @@ class KVCache:
         self.dtype = _storage_dtype(dtype)
         nbytes = self.batch * self.num_kv_heads * self.max_len * (self.head_dim + self.value_dim) * self.dtype.itemsize
         try:
-            self._k = np.zeros((self.batch, self.num_kv_heads, self.max_len, self.head_dim), self.dtype)
-            self._v = np.zeros((self.batch, self.num_kv_heads, self.max_len, self.value_dim), self.dtype)
+            self._k = _aligned_zeros((self.batch, self.num_kv_heads, self.max_len, self.head_dim), self.dtype)
+            self._v = _aligned_zeros((self.batch, self.num_kv_heads, self.max_len, self.value_dim), self.dtype)
         except (MemoryError, ValueError):
             raise ValueError(f"max_len: a cache of {nbytes} bytes cannot be allocated") from None
         self.lengths = np.zeros(self.batch, np.int64)
