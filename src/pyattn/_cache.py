@@ -34,17 +34,20 @@ def _storage_dtype(dtype):
     return dtype
 
 
-# Cache-line alignment of the storage. NumPy places large arrays 16 bytes past a page boundary, so
-# every 64-byte vector load of a K/V row would straddle two cache lines; a decode step reads every
-# byte of the cache with such loads (float32, 32 query heads over 8 KV heads, 64k tokens, one
-# thread: 64-65 -> 52-55 ns per 1 KiB key+value row when aligned).
+# Where the storage starts relative to a 64-byte boundary, by element size (measured, one thread,
+# 32 query heads over 8 KV heads, head_dim 128). NumPy places large arrays 16 bytes past a page, so
+# every 64-byte vector load of a float32/float64 K/V row straddles two cache lines: aligned storage
+# streams a 1 KiB float32 key+value row in 52-57 ns instead of 64-67. 16-bit rows are read with
+# 32-byte loads and are compute-bound; for them the aligned start was the slowest of the four
+# 16-byte steps (31-36 ns per key row against 30-33), so they keep a 16-byte offset.
 _ALIGN = 64
+_START = {2: 16, 4: 0, 8: 0}
 
 
 def _aligned_zeros(shape, dtype):
     nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.zeros(nbytes + _ALIGN, np.uint8)
-    start = -raw.ctypes.data % _ALIGN
+    raw = np.zeros(nbytes + 2 * _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN + _START[dtype.itemsize]
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
