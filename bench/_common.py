@@ -129,6 +129,7 @@ def time_interleaved(
     warmup: int = 1,
     settle: float = 0.1,
     contexts: dict[str, Callable[[], Any]] | None = None,
+    raise_errors: bool = False,
 ) -> dict[str, tuple[Timing, Any] | Exception]:
     """Time several callables in `rounds` alternating blocks: a, b, c, a, b, c, ... Each block is one
     callable's calls back to back (as in time_call: two libraries' OpenMP threads spinning at once
@@ -138,7 +139,8 @@ def time_interleaved(
     samples are what the tables report. min_time and min_runs are totals over the rounds; warm-up
     calls are made in the first round only. `contexts` optionally maps a name to a context manager
     factory entered around that callable's blocks (e.g. a BLAS thread limit). A callable that raises
-    is reported as its exception and not called again."""
+    is reported as its exception and not called again, or, with raise_errors, the exception
+    propagates."""
     pooled: dict[str, list[float]] = {name: [] for name in fns}
     results: dict[str, Any] = {}
     failed: dict[str, Exception] = {}
@@ -154,6 +156,8 @@ def time_interleaved(
                         fn, min_time / rounds, -(-min_runs // rounds), 10_000, warmup if r == 0 else 0, settle
                     )
             except Exception as exc:  # noqa: BLE001  (reported to the caller, which decides)
+                if raise_errors:
+                    raise
                 failed[name] = exc
                 continue
             pooled[name].extend(samples)

@@ -199,10 +199,7 @@ def case_rows(pyattn, case: Case, args, bandwidth) -> list[dict]:
     for name, cache in caches.items():
         fns[name] = lambda c=cache: c.attend(q, num_threads=args.threads)
     timed = time_interleaved(fns, rounds=args.rounds, min_time=args.min_time, min_runs=args.min_runs,
-                             warmup=WARMUP, settle=PAUSE)
-    for name, result in timed.items():
-        if isinstance(result, Exception):
-            raise result
+                             warmup=WARMUP, settle=PAUSE, raise_errors=True)
     t_torch, torch_out = timed["torch"]
     torch_out = torch_out.numpy()
 

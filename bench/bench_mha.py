@@ -227,10 +227,7 @@ def interleaved(fns, args, contexts=None) -> list:
     """(timing, result) of each callable, timed in args.rounds alternating blocks (time_interleaved);
     a failure is raised."""
     timed = time_interleaved(fns, rounds=args.rounds, min_time=args.min_time, min_runs=args.min_runs,
-                             warmup=WARMUP, contexts=contexts)
-    for result in timed.values():
-        if isinstance(result, Exception):
-            raise result
+                             warmup=WARMUP, contexts=contexts, raise_errors=True)
     return [timed[name] for name in fns]
 
 
@@ -241,8 +238,6 @@ def gemm_row(pyattn, case: GemmCase, args, peak) -> dict:
     rng = np.random.default_rng(args.seed)
     x = rng.standard_normal((case.m, case.k), dtype=DTYPE)
     w = (rng.standard_normal((case.n, case.k)) / np.sqrt(case.k)).astype(DTYPE)
-    timing = dict(min_time=args.min_time, min_runs=args.min_runs, warmup=WARMUP)
-
     packed, panel = pyattn._core.pack_weights(w)
     out = np.empty((case.m, case.n), dtype=DTYPE)
     out_np = np.empty_like(out)

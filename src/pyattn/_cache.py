@@ -44,7 +44,7 @@ _ALIGN = 64
 _START = {2: 16, 4: 0, 8: 0}
 
 
-def _aligned_zeros(shape, dtype):
+def _storage_zeros(shape, dtype):
     nbytes = math.prod(shape) * dtype.itemsize
     raw = np.zeros(nbytes + 2 * _ALIGN, np.uint8)
     start = -raw.ctypes.data % _ALIGN + _START[dtype.itemsize]
@@ -83,8 +83,8 @@ class KVCache:
         self.dtype = _storage_dtype(dtype)
         nbytes = self.batch * self.num_kv_heads * self.max_len * (self.head_dim + self.value_dim) * self.dtype.itemsize
         try:
-            self._k = _aligned_zeros((self.batch, self.num_kv_heads, self.max_len, self.head_dim), self.dtype)
-            self._v = _aligned_zeros((self.batch, self.num_kv_heads, self.max_len, self.value_dim), self.dtype)
+            self._k = _storage_zeros((self.batch, self.num_kv_heads, self.max_len, self.head_dim), self.dtype)
+            self._v = _storage_zeros((self.batch, self.num_kv_heads, self.max_len, self.value_dim), self.dtype)
         except (MemoryError, ValueError):
             raise ValueError(f"max_len: a cache of {nbytes} bytes cannot be allocated") from None
         self.lengths = np.zeros(self.batch, np.int64)
