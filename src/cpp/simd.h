@@ -12,12 +12,13 @@
 // (Zen 4: 4 cycles x 2 ymm pipes = 8 ymm chains, or 4 zmm chains since a zmm FMA takes both pipes).
 //
 // exp2: 2^x = 2^n * 2^f with n = round(x), f = x - n in [-1/2, 1/2] (exact, no ln2 splitting needed
-// because the kernels work in log2 units), 2^f by its Taylor polynomial in f*ln2 (degree 7 for float:
-// truncation error < 6e-9, below float's half ULP; degree 13 for double: < 6e-18), and 2^n built
-// directly in the exponent bits: adding 1.5*2^23 + 127 (float) rounds x to an integer in the low
-// mantissa bits already biased, so a left shift by the mantissa width is 2^n. Domain: the kernels
-// only call it with x <= 0 (score minus running max) or NaN; x < -126 (float) / -1022 (double) return
-// exactly 0 (weights below 2^-126 of the row maximum), NaN returns NaN.
+// because the kernels work in log2 units), 2^f by a polynomial (float: degree-6 minimax, kExp2Float,
+// under 1 ULP; double: degree-13 Taylor in f*ln2, truncation error < 6e-18), and the product with 2^n
+// by AVX-512's vscalefps/pd, or on AVX2 by a multiply with 2^n built in the exponent bits (adding
+// 1.5*2^23 + 127 rounds x to an integer in the low mantissa bits, already biased, so a left shift by
+// the mantissa width is 2^n). Domain: the kernels only call it with x <= 0 (score minus running max)
+// or NaN; x < -126 (float) / -1022 (double) return exactly 0 (weights below 2^-126 of the row
+// maximum), NaN returns NaN.
 #pragma once
 
 #include <cmath>
@@ -38,6 +39,18 @@ constexpr double exp2_coeff(int k) {
   for (int i = 1; i <= k; ++i) c *= 0.693147180559945309417232121458176568 / i;
   return c;
 }
+
+// 2^f on [-1/2, 1/2] for float: the degree-6 minimax polynomial for the relative error (Remez
+// exchange in 40-digit arithmetic, coefficients then rounded to float). Its relative error is 1.9e-9,
+// and Horner evaluation in float stays under 1 ULP (0.93 ULP over 2e6 points); the degree-7 Taylor
+// polynomial it replaced had 0.86 ULP for one FMA more.
+constexpr float kExp2Float[7] = {1.0f,
+                                 0.6931471824645996f,
+                                 0.24022646248340607f,
+                                 0.05550328642129898f,
+                                 0.009618489071726799f,
+                                 0.0013399930903688073f,
+                                 0.0001534581242594868f};
 
 // Scalar conversions of 16-bit storage formats (tails, the generic path, and the driver).
 inline float bits_to_float(uint32_t u) {
@@ -130,21 +143,16 @@ struct Simd<float> {
                           _mm512_cmp_ps_mask(m, set1(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
     return add(s, _mm512_mask_blend_ps(inf, clamped, scaled));
   }
+  // vrndscaleps gives n = round(x), vscalefps computes p * 2^n in one instruction, and its zero-masking
+  // returns 0 for x < -126 (-inf included); NaN stays NaN (max's second operand wins on NaN). Against
+  // the magic-number rounding, the shift and a multiply by 2^n, this measured 2% faster per tile.
   static reg exp2(reg x) {
-    const reg xc = _mm512_max_ps(set1(-126.0f), x);  // second operand wins on NaN: NaN stays NaN
-    const reg t = add(xc, set1(12582912.0f + 127.0f));
-    const reg f = sub(xc, sub(t, set1(12582912.0f + 127.0f)));
-    reg p = set1(float(exp2_coeff(7)));
-    p = fma(p, f, set1(float(exp2_coeff(6))));
-    p = fma(p, f, set1(float(exp2_coeff(5))));
-    p = fma(p, f, set1(float(exp2_coeff(4))));
-    p = fma(p, f, set1(float(exp2_coeff(3))));
-    p = fma(p, f, set1(float(exp2_coeff(2))));
-    p = fma(p, f, set1(float(exp2_coeff(1))));
-    p = fma(p, f, set1(1.0f));
-    const reg pow2n = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(t), 23));
-    const __mmask16 tiny = _mm512_cmp_ps_mask(x, set1(-126.0f), _CMP_LT_OQ);
-    return _mm512_mask_blend_ps(tiny, mul(p, pow2n), zero());
+    const reg xc = _mm512_max_ps(set1(-127.0f), x);
+    const reg n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const reg f = sub(xc, n);
+    reg p = set1(kExp2Float[6]);
+    for (int k = 5; k >= 0; --k) p = fma(p, f, set1(kExp2Float[k]));
+    return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, set1(-126.0f), _CMP_NLT_UQ), p, n);
   }
   static float hsum(reg x) { return _mm512_reduce_add_ps(x); }
   static float hmax(reg x) {  // max over lanes (NaN lanes may be dropped: callers check separately)
@@ -244,16 +252,14 @@ struct Simd<double> {
                          _mm512_cmp_pd_mask(m, set1(-std::numeric_limits<double>::infinity()), _CMP_EQ_OQ);
     return add(s, _mm512_mask_blend_pd(inf, clamped, scaled));
   }
-  static reg exp2(reg x) {
-    const reg xc = _mm512_max_pd(set1(-1022.0), x);
-    const reg t = add(xc, set1(6755399441055744.0 + 1023.0));
-    const reg f = sub(xc, sub(t, set1(6755399441055744.0 + 1023.0)));
+  static reg exp2(reg x) {  // as the float flavour
+    const reg xc = _mm512_max_pd(set1(-1023.0), x);
+    const reg n = _mm512_roundscale_pd(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const reg f = sub(xc, n);
     reg p = set1(exp2_coeff(13));
     for (int k = 12; k >= 1; --k) p = fma(p, f, set1(exp2_coeff(k)));
     p = fma(p, f, set1(1.0));
-    const reg pow2n = _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_castpd_si512(t), 52));
-    const __mmask8 tiny = _mm512_cmp_pd_mask(x, set1(-1022.0), _CMP_LT_OQ);
-    return _mm512_mask_blend_pd(tiny, mul(p, pow2n), zero());
+    return _mm512_maskz_scalef_pd(_mm512_cmp_pd_mask(x, set1(-1022.0), _CMP_NLT_UQ), p, n);
   }
   static double hsum(reg x) {
     // By hand: GCC 12's _mm512_reduce_add_pd trips -Wuninitialized inside its own header.
@@ -343,14 +349,8 @@ struct Simd<float> {
     const reg xc = _mm256_max_ps(set1(-126.0f), x);
     const reg t = add(xc, set1(12582912.0f + 127.0f));
     const reg f = sub(xc, sub(t, set1(12582912.0f + 127.0f)));
-    reg p = set1(float(exp2_coeff(7)));
-    p = fma(p, f, set1(float(exp2_coeff(6))));
-    p = fma(p, f, set1(float(exp2_coeff(5))));
-    p = fma(p, f, set1(float(exp2_coeff(4))));
-    p = fma(p, f, set1(float(exp2_coeff(3))));
-    p = fma(p, f, set1(float(exp2_coeff(2))));
-    p = fma(p, f, set1(float(exp2_coeff(1))));
-    p = fma(p, f, set1(1.0f));
+    reg p = set1(kExp2Float[6]);
+    for (int k = 5; k >= 0; --k) p = fma(p, f, set1(kExp2Float[k]));
     const reg pow2n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(t), 23));
     const reg tiny = _mm256_cmp_ps(x, set1(-126.0f), _CMP_LT_OQ);
     return _mm256_blendv_ps(mul(p, pow2n), zero(), tiny);
