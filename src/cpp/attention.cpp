@@ -43,8 +43,9 @@ namespace {
 // Below this many tasks the key range is split: enough independent items for the dynamic schedule
 // to balance on machines with up to a few dozen cores.
 constexpr int64_t kTaskTarget = 64;
-// A chunk of a split key range is at least this many key blocks, so the merge stays negligible.
-constexpr int64_t kMinChunkBlocks = 4;
+// A chunk of a split key range is at least this many key blocks (256 keys for float32 tiles), so the
+// merge (one pass over the chunk's accumulators) stays under 1% of the chunk's work.
+constexpr int64_t kMinChunkBlocks = 1;
 // Queries per head at or below which the decode kernel (lanes along head_dim) beats query tiles
 // (lanes along query rows, mostly padding at this size); query rows per decode work item; and the
 // decode kernel's key block and smallest key chunk worth a work item of its own.
