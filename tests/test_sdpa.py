@@ -120,7 +120,7 @@ def test_block_sparse_mask(isa, dtype, rng):
 
 
 @pytest.mark.parametrize("q_len, kv_len", [(17, 130), (128, 128), (300, 700)])
-@pytest.mark.parametrize("pattern", ["right_padding", "left_padding", "band", "causal_shaped"])
+@pytest.mark.parametrize("pattern", ["right_padding", "left_padding", "band", "causal_shaped", "padded_holes"])
 def test_masked_block_edges(isa, dtype, rng, q_len, kv_len, pattern):
     # Keys that no row of a tile may see at either end of a key block are dropped from the block;
     # their K/V hold NaN and Inf, which must not reach any output. Per batch row a different cut,
@@ -134,6 +134,8 @@ def test_masked_block_edges(isa, dtype, rng, q_len, kv_len, pattern):
             allowed[b, :, :, :cut] = True
         elif pattern == "left_padding":
             allowed[b, :, :, kv_len - cut:] = True
+        elif pattern == "padded_holes":  # both ends cut, random holes between: the cut words are used bit by bit
+            allowed[b, :, :, cut // 2 : kv_len - cut // 3] = rng.random((q_len, kv_len - cut // 3 - cut // 2)) < 0.8
         elif pattern == "band":
             i = np.arange(q_len)[:, None] * kv_len // q_len
             allowed[b, 0] = np.abs(np.arange(kv_len)[None, :] - i) <= cut // 4
