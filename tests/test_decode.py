@@ -806,6 +806,40 @@ def test_cache_attend_independent_of_max_len(isa, rng, name):
         np.testing.assert_array_equal(out, expected)
 
 
+def test_cache_attend_follows_every_change_of_lengths(rng):
+    # attend() keeps its per-row causal state between calls (a decode loop attends many times per
+    # append); any change of the lengths must still reach the core: append, truncate, reset, and the
+    # public lengths array changed in place. Single-token queries see keys [0, lengths[b]) of row b.
+    keys, values = kv(rng, 2, 2, 40, 16), kv(rng, 2, 2, 40, 16)
+    q = random_array(rng, (2, 4, 1, 16), np.dtype(np.float32))
+    cache = pyattn.KVCache(2, 2, 16, 64)
+
+    def check(lengths):
+        out = cache.attend(q)
+        for b, n in enumerate(lengths):
+            assert cache.keys(b).shape[1] == n
+            expected = sdpa(q[b], cache.keys(b), cache.values(b), enable_gqa=True)
+            np.testing.assert_array_equal(out[b], expected)
+
+    cache.append(keys[:, :, :29], values[:, :, :29])
+    cache.append(keys[:, :, 29:30], values[:, :, 29:30])
+    check([30, 30])
+    cache.lengths[1] = 17  # in place: the query now sits at position 16 of row 1
+    check([30, 17])
+    cache.lengths[1] = 35  # in place, beyond the last append (zeros there): the query sits at 34
+    check([30, 35])
+    cache.lengths[1] = 17
+    cache.truncate(20)
+    cache.append(keys[:, :, 20:21], values[:, :, 20:21])  # row 1 goes on from 17: keys 0..16 and key 20
+    out = cache.attend(q)
+    expected = sdpa(q[1], np.concatenate([keys[1, :, :17], keys[1, :, 20:21]], axis=1),
+                    np.concatenate([values[1, :, :17], values[1, :, 20:21]], axis=1), enable_gqa=True)
+    np.testing.assert_array_equal(out[1], expected)
+    cache.reset()
+    cache.append(keys[:, :, :1], values[:, :, :1])
+    check([1, 1])
+
+
 @pytest.mark.parametrize("q_len", [1, 4, 6])
 @pytest.mark.parametrize("name", HALF_NAMES)
 def test_half_sdpa_layouts_and_broadcast(isa, rng, name, q_len):

@@ -94,6 +94,9 @@ class KVCache:
         self._last_left = False
         self._half = _HALF_STORAGE.get(self.dtype.name, 0)  # the kernels' code for 16-bit storage
         self._offsets = {}  # attend()'s kernel offsets per (num_heads, chunk, storage, query strides)
+        self._version = 0  # bumped by every change of lengths / the last append (attend's cached state)
+        self._attend_key = None
+        self._attend_state = None
 
     def __repr__(self):
         return (f"KVCache(batch={self.batch}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
@@ -144,12 +147,14 @@ class KVCache:
             self._v[b, :, pos:pos + n] = v[b, :, start:start + n]
         self.lengths = end
         self._last_new, self._last_chunk, self._last_left = counts, chunk, bool(left_padded)
+        self._version += 1
 
     def reset(self):
         """Empty every row (storage is kept)."""
         self.lengths[:] = 0
         self._last_new[:] = 0
         self._last_chunk = 0
+        self._version += 1
 
     def truncate(self, length):
         """Keep at most `length` tokens per row (an int, or one per row)."""
@@ -158,6 +163,7 @@ class KVCache:
             raise ValueError(f"length: must be >= 0, got {length.tolist()}")
         self.lengths = np.minimum(self.lengths, length)
         self._last_new[:] = 0
+        self._version += 1
 
     def trim(self, count):
         """Drop the last `count` tokens of every row (an int, or one per row)."""
@@ -184,6 +190,22 @@ class KVCache:
         return self._filled(self._v, row)
 
     # -- attention ----------------------------------------------------------------------------------
+    def _causal_state(self):
+        """(kv_len, lengths, causal_offsets) for attend(): the longest row, a snapshot of the lengths
+        and each row's lower-right causal offset. They change only with the lengths, so a decode
+        loop computes them once per append (the NumPy work was ~3 us of every attend); the key also
+        holds the lengths' bytes, so lengths changed in place are seen too."""
+        key = (self._version, self.lengths.tobytes())
+        if key != self._attend_key:
+            lengths = np.array(self.lengths, dtype=np.int64)  # a copy: the state must not change under it
+            first = self._last_chunk - self._last_new if self._last_left else np.zeros(self.batch, np.int64)
+            causal_offsets = np.ascontiguousarray(lengths - self._last_new - first, dtype=np.int64)
+            # The core sees the filled part only (kv_len = the longest row, not max_len): its work
+            # split depends on kv_len, and chunks past every row's length would be empty work items.
+            self._attend_state = (int(lengths.max()), lengths, causal_offsets)
+            self._attend_key = key
+        return self._attend_state
+
     def attend(self, query, *, scale=None, num_threads=None):
         """Attention of the last appended chunk's queries over each row's cached keys.
 
@@ -212,9 +234,7 @@ class KVCache:
         k, v = self._k, self._v
         storage = 0
         copied = False
-        # The core sees the filled part only (kv_len = the longest row, not max_len): its work split
-        # depends on kv_len, and chunks past every row's length would be empty work items.
-        kv_len = int(self.lengths.max())
+        kv_len, lengths, causal_offsets = self._causal_state()
         if half and chunk <= _DIRECT_HALF_MAX_Q_LEN:
             storage = self._half
             k, v = k.view(np.uint16), v.view(np.uint16)
@@ -236,18 +256,15 @@ class KVCache:
             offsets = np.ascontiguousarray(np.stack([q_off, k_off, v_off, np.zeros_like(q_off)]), dtype=np.int64)
             if not copied:
                 self._offsets[key] = offsets
-        first = self._last_chunk - self._last_new if self._last_left else np.zeros(self.batch, np.int64)
-        causal_offsets = np.ascontiguousarray(self.lengths - self._last_new - first, dtype=np.int64)
         out = np.empty((self.batch, num_heads, chunk, self.value_dim), compute)
         scale_value = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
         if not math.isfinite(scale_value):
             raise ValueError(f"scale: must be finite, got {scale_value}")
+        # Positional arguments: keyword matching cost ~1 us per call.
         _core.sdpa(
             q, k, v, None, out, None, offsets,
             [q.strides[2] // q.itemsize, k.strides[2] // item_k, v.strides[2] // item_v, 0, 0],
             [self.batch * num_heads, chunk, kv_len, self.head_dim, self.value_dim, group],
-            True, 0, scale_value, _threads_value(num_threads), kv_storage=storage,
-            kv_lens=self.lengths, causal_offsets=causal_offsets,
-            num_heads=num_heads,
+            True, 0, scale_value, _threads_value(num_threads), storage, lengths, causal_offsets, num_heads,
         )
         return out
