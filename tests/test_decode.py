@@ -342,10 +342,11 @@ def test_decode_many_query_rows_per_kv_head(isa, rng, name):
 def test_decode_group_sizes_and_head_dims(isa, rng, name, head_dim):
     """Every register tiling of the decode kernel: rows of 4 or 8 vectors keep q in registers (as
     many rows at a time as fit), other sizes load it; groups of 1-8 rows per key/value head, odd
-    ones leaving a remainder after each tile; 77 keys leave a partial key block."""
+    ones leaving a remainder after each tile; 205 keys give whole key blocks and a partial one for
+    every storage (blocks of 128 keys in the compute type, 32 in 16 bits)."""
     dtype = np_dtype(name)
     for group, q_len in ((1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (8, 1), (3, 2), (4, 2)):
-        q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=2 * group, kv_heads=2, q_len=q_len, kv_len=77,
+        q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=2 * group, kv_heads=2, q_len=q_len, kv_len=205,
                            head_dim=head_dim)
         got = sdpa(q, k, v, is_causal="lower_right", enable_gqa=True)
         expected = reference.scaled_dot_product_attention(f64(q), f64(k), f64(v), is_causal="lower_right",

@@ -51,7 +51,7 @@ constexpr int64_t kMinChunkBlocks = 1;
 // decode kernel's key block and smallest key chunk worth a work item of its own.
 constexpr int64_t kDecodeMaxLen = 4;
 constexpr int64_t kDecodeMaxRows = 16;
-constexpr int64_t kDecodeBlock = 32;  // = decode.inc's block; only used to round chunk sizes
+constexpr int64_t kDecodeBlock = 128;  // = decode.inc's longest block; only used to round chunk sizes
 constexpr int64_t kDecodeMinChunk = 256;
 constexpr size_t kAlign = 64;  // cache line
 
