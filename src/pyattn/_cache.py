@@ -94,7 +94,6 @@ class KVCache:
         self._last_left = False
         self._half = _HALF_STORAGE.get(self.dtype.name, 0)  # the kernels' code for 16-bit storage
         self._offsets = {}  # attend()'s kernel offsets per (num_heads, chunk, storage, query strides)
-        self._version = 0  # bumped by every change of lengths / the last append (attend's cached state)
         self._attend_key = None
         self._attend_state = None
 
@@ -147,14 +146,12 @@ class KVCache:
             self._v[b, :, pos:pos + n] = v[b, :, start:start + n]
         self.lengths = end
         self._last_new, self._last_chunk, self._last_left = counts, chunk, bool(left_padded)
-        self._version += 1
 
     def reset(self):
         """Empty every row (storage is kept)."""
         self.lengths[:] = 0
         self._last_new[:] = 0
         self._last_chunk = 0
-        self._version += 1
 
     def truncate(self, length):
         """Keep at most `length` tokens per row (an int, or one per row)."""
@@ -163,7 +160,6 @@ class KVCache:
             raise ValueError(f"length: must be >= 0, got {length.tolist()}")
         self.lengths = np.minimum(self.lengths, length)
         self._last_new[:] = 0
-        self._version += 1
 
     def trim(self, count):
         """Drop the last `count` tokens of every row (an int, or one per row)."""
@@ -192,10 +188,11 @@ class KVCache:
     # -- attention ----------------------------------------------------------------------------------
     def _causal_state(self):
         """(kv_len, lengths, causal_offsets) for attend(): the longest row, a snapshot of the lengths
-        and each row's lower-right causal offset. They change only with the lengths, so a decode
-        loop computes them once per append (the NumPy work was ~3 us of every attend); the key also
-        holds the lengths' bytes, so lengths changed in place are seen too."""
-        key = (self._version, self.lengths.tobytes())
+        and each row's lower-right causal offset. They change only with the lengths and the last
+        append, so a decode loop computes them once per append (the NumPy work was ~3 us of every
+        attend); the key is exactly what they are computed from, so any change is seen, lengths
+        edited in place included."""
+        key = (self.lengths.tobytes(), self._last_new.tobytes(), self._last_chunk, self._last_left)
         if key != self._attend_key:
             lengths = np.array(self.lengths, dtype=np.int64)  # a copy: the state must not change under it
             first = self._last_chunk - self._last_new if self._last_left else np.zeros(self.batch, np.int64)
