@@ -28,6 +28,14 @@ struct MaskSlot {
   const int64_t* offset = nullptr;  // [batch_heads]
   int64_t stride_l = 0;
   int64_t stride_s = 0;
+  // A boolean mask as bits, 1 = may attend (true_forbids applied), filled by the driver for the
+  // tile kernels (which read boolean masks only this way): key j of row i of head bh is bit j % 64
+  // of bits[bits_offset[bh] + i * bits_stride_l + j / 64]; rows are bits_words words long (bits
+  // past kv_len are 0) and bits_stride_l is 0 when every query row shares one mask row.
+  const uint64_t* bits = nullptr;
+  const int64_t* bits_offset = nullptr;  // [batch_heads]
+  int64_t bits_stride_l = 0;
+  int64_t bits_words = 0;
 };
 
 // One scaled-dot-product-attention call, flattened to (batch*heads) independent heads.
@@ -168,6 +176,10 @@ struct KernelTable {
   // Machine ceiling for the benchmark: a register-only FMA loop (returns flops done). The read
   // ceiling (read_buffers_gbs in attention.cpp) needs no ISA-specific code.
   double (*fma_loop)(int64_t iterations);
+  // Boolean mask rows to bits for MaskSlot::bits: `rows` rows of kv_len bytes (element (i, j) at
+  // data[i * stride_l + j * stride_s]) into words_per_row = ceil(kv_len / 64) words each.
+  void (*pack_mask)(const uint8_t* data, int64_t stride_l, int64_t stride_s, bool true_forbids, int64_t rows,
+                    int64_t kv_len, uint64_t* out);
 };
 
 // Per-ISA tables (defined in kernels_<isa>.cpp).
