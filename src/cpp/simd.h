@@ -126,13 +126,12 @@ struct Simd<float> {
   }
   static uint32_t nonzero_lanes(reg x) { return _mm512_cmp_ps_mask(x, zero(), _CMP_NEQ_UQ); }
   // Mask words, one 32-bit word per lane (a row's verdicts on 32 keys, bit b = key b): lanes whose
-  // word has bit 0 set keep s, the others become -inf; next_bit moves every word on to the next key.
+  // word has bit b set keep s, the others become -inf.
   using wreg = __m512i;
   static wreg load_words(const uint32_t* w) { return _mm512_loadu_si512(w); }
-  static reg keep_if_bit0(wreg w, reg s) {
-    return _mm512_mask_mov_ps(set1(-std::numeric_limits<float>::infinity()), _mm512_test_epi32_mask(w, _mm512_set1_epi32(1)), s);
+  static reg keep_if_bit(wreg w, int b, reg s) {
+    return _mm512_mask_mov_ps(set1(-std::numeric_limits<float>::infinity()), _mm512_test_epi32_mask(w, _mm512_set1_epi32(int(1u << b))), s);
   }
-  static wreg next_bit(wreg w) { return _mm512_srli_epi32(w, 1); }
   // s + add * c (c = log2 e), where a finite add whose product overflows becomes +-FLT_MAX instead of
   // +-inf (a finfo.min mask must stay finite); infinite and NaN adds pass through.
   static reg add_scaled(reg s, reg m, float c) {
@@ -241,10 +240,9 @@ struct Simd<double> {
   static uint32_t nonzero_lanes(reg x) { return _mm512_cmp_pd_mask(x, zero(), _CMP_NEQ_UQ); }
   using wreg = __m512i;  // words zero-extended to 64-bit lanes
   static wreg load_words(const uint32_t* w) { return _mm512_cvtepu32_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))); }
-  static reg keep_if_bit0(wreg w, reg s) {
-    return _mm512_mask_mov_pd(set1(-std::numeric_limits<double>::infinity()), _mm512_test_epi64_mask(w, _mm512_set1_epi64(1)), s);
+  static reg keep_if_bit(wreg w, int b, reg s) {
+    return _mm512_mask_mov_pd(set1(-std::numeric_limits<double>::infinity()), _mm512_test_epi64_mask(w, _mm512_set1_epi64(int64_t(1) << b)), s);
   }
-  static wreg next_bit(wreg w) { return _mm512_srli_epi64(w, 1); }
   static reg add_scaled(reg s, reg m, double c) {
     const reg scaled = mul(m, set1(c));
     const reg clamped = _mm512_min_pd(set1(std::numeric_limits<double>::max()),
@@ -333,11 +331,11 @@ struct Simd<float> {
   static uint32_t nonzero_lanes(reg x) { return uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(x, zero(), _CMP_NEQ_UQ))); }
   using wreg = __m256i;
   static wreg load_words(const uint32_t* w) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)); }
-  // blendv picks by the sign bit, so bit 0 is shifted up to it.
-  static reg keep_if_bit0(wreg w, reg s) {
-    return _mm256_blendv_ps(set1(-std::numeric_limits<float>::infinity()), s, _mm256_castsi256_ps(_mm256_slli_epi32(w, 31)));
+  // blendv picks by the sign bit, so bit b is shifted up to it.
+  static reg keep_if_bit(wreg w, int b, reg s) {
+    return _mm256_blendv_ps(set1(-std::numeric_limits<float>::infinity()), s,
+                            _mm256_castsi256_ps(_mm256_sll_epi32(w, _mm_cvtsi32_si128(31 - b))));
   }
-  static wreg next_bit(wreg w) { return _mm256_srli_epi32(w, 1); }
   static reg add_scaled(reg s, reg m, float c) {
     const reg scaled = mul(m, set1(c));
     const reg clamped = _mm256_min_ps(set1(std::numeric_limits<float>::max()),
@@ -436,10 +434,10 @@ struct Simd<double> {
   static uint32_t nonzero_lanes(reg x) { return uint32_t(_mm256_movemask_pd(_mm256_cmp_pd(x, zero(), _CMP_NEQ_UQ))); }
   using wreg = __m256i;  // words zero-extended to 64-bit lanes
   static wreg load_words(const uint32_t* w) { return _mm256_cvtepu32_epi64(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))); }
-  static reg keep_if_bit0(wreg w, reg s) {
-    return _mm256_blendv_pd(set1(-std::numeric_limits<double>::infinity()), s, _mm256_castsi256_pd(_mm256_slli_epi64(w, 63)));
+  static reg keep_if_bit(wreg w, int b, reg s) {
+    return _mm256_blendv_pd(set1(-std::numeric_limits<double>::infinity()), s,
+                            _mm256_castsi256_pd(_mm256_sll_epi64(w, _mm_cvtsi32_si128(63 - b))));
   }
-  static wreg next_bit(wreg w) { return _mm256_srli_epi64(w, 1); }
   static reg add_scaled(reg s, reg m, double c) {
     const reg scaled = mul(m, set1(c));
     const reg clamped = _mm256_min_pd(set1(std::numeric_limits<double>::max()),
@@ -510,8 +508,7 @@ struct Simd {
   static uint32_t nonzero_lanes(reg x) { return x != T(0) || std::isnan(x); }
   using wreg = uint32_t;
   static wreg load_words(const uint32_t* w) { return *w; }
-  static reg keep_if_bit0(wreg w, reg s) { return (w & 1u) ? s : -std::numeric_limits<T>::infinity(); }
-  static wreg next_bit(wreg w) { return w >> 1; }
+  static reg keep_if_bit(wreg w, int b, reg s) { return ((w >> b) & 1u) ? s : -std::numeric_limits<T>::infinity(); }
   static reg add_scaled(reg s, reg m, T c) { return s + mask_to_log2(m, c); }
   static reg exp2(reg x) { return std::exp2(x); }
   static T hsum(reg x) { return x; }
