@@ -149,6 +149,63 @@ def test_masked_block_edges(isa, dtype, rng, q_len, kv_len, pattern):
     assert np.isfinite(out).all()
 
 
+@pytest.fixture
+def mask_bytes():
+    """Makes the kernels read boolean masks as bytes: no call packs a bit copy (see attention.cpp)."""
+    previous = pyattn._core._set_packed_mask_limit(0)
+    try:
+        yield
+    finally:
+        pyattn._core._set_packed_mask_limit(previous)
+
+
+def _bool_mask_cases(rng, q_len, kv_len):
+    """Boolean masks of every layout the bit packing distinguishes, for (2, 3, q_len, kv_len) inputs."""
+    holes = rng.random((2, 3, q_len, kv_len)) < 0.8
+    holes[..., 0] = True
+    padded = np.ones((2, 1, 1, kv_len), dtype=bool)
+    padded[0, ..., kv_len // 3 :] = False
+    padded[1, ..., : kv_len // 5] = False
+    return {
+        "shared_2d": holes[0, 0],  # one mask for every batch entry and head
+        "per_batch": holes[:, :1],  # (B, 1, L, S): heads of a batch entry share one
+        "per_head": holes,  # a different mask for every head
+        "shared_rows": padded,  # (B, 1, 1, S): row stride 0
+        "shared_keys": holes[:1, :, :, 1:2],  # (1, H, L, 1): key stride 0
+        "transposed": np.ascontiguousarray(holes[0, 0].T).T,  # key stride q_len
+        "reversed": np.ascontiguousarray(holes[0, 0, ::-1, ::-1])[::-1, ::-1],  # negative strides
+    }
+
+
+@pytest.mark.parametrize("q_len, kv_len", [(9, 70), (130, 700)])
+@pytest.mark.parametrize(
+    "layout", ["shared_2d", "per_batch", "per_head", "shared_rows", "shared_keys", "transposed", "reversed"]
+)
+@pytest.mark.parametrize("options", [{}, {"is_causal": "lower_right"}, {"return_weights": True}], ids=str)
+def test_bool_mask_bytes_and_bits_agree(isa, dtype, rng, q_len, kv_len, layout, options):
+    # The driver packs boolean masks to bits when the copy fits its budget, and the kernels read the
+    # mask bytes otherwise: both give bit-identical results, and match the reference.
+    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=3, q_len=q_len, kv_len=kv_len, head_dim=16)
+    mask = _bool_mask_cases(rng, q_len, kv_len)[layout]
+    packed = check_against_reference(q, k, v, mask, **options)
+    previous = pyattn._core._set_packed_mask_limit(0)
+    try:
+        from_bytes = sdpa(q, k, v, mask, **options)
+    finally:
+        pyattn._core._set_packed_mask_limit(previous)
+    if options.get("return_weights"):
+        np.testing.assert_array_equal(packed[1], from_bytes[1])
+        packed, from_bytes = packed[0], from_bytes[0]
+    np.testing.assert_array_equal(packed, from_bytes)
+
+
+@pytest.mark.parametrize("q_len, kv_len", [(17, 130), (300, 700)])
+@pytest.mark.parametrize("pattern", ["right_padding", "padded_holes", "causal_shaped"])
+def test_masked_block_edges_from_bytes(isa, dtype, rng, mask_bytes, q_len, kv_len, pattern):
+    # The block cuts of test_masked_block_edges, with the kernels reading the mask bytes.
+    test_masked_block_edges(isa, dtype, rng, q_len, kv_len, pattern)
+
+
 @pytest.mark.parametrize("head_dim, value_dim", [(256, 256), (512, 64), (64, 512), (300, 7)])
 def test_large_head_dims_long_kv(isa, dtype, rng, head_dim, value_dim):
     q, k, v = make_qkv(rng, dtype, q_heads=2, q_len=75, kv_len=600, head_dim=head_dim, value_dim=value_dim)

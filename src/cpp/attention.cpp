@@ -11,9 +11,9 @@
 //
 // Memory: per thread one query block, one score block and one accumulator (O(block_rows * (head_dim
 // + key_block + value_dim))); split calls add one partial accumulator per work item, whose count is
-// bounded by kTaskTarget tasks' worth; a boolean mask is packed to bits, one bit per element of each
-// distinct mask (an eighth of the caller's mask bytes at most). Nothing else is O(q_len * kv_len)
-// except the caller's weights.
+// bounded by kTaskTarget tasks' worth; a boolean mask may be packed to bits, one bit per element of
+// each distinct mask, up to kMaxPackedMaskBytes. Nothing is O(q_len * kv_len) except the caller's
+// weights.
 
 #include <algorithm>
 #include <atomic>
@@ -58,6 +58,13 @@ constexpr int64_t kDecodeMinChunk = 256;
 constexpr size_t kAlign = 64;  // cache line
 
 std::atomic<int> g_default_threads{0};  // set_num_threads(); read by every call, from any thread
+
+// Boolean masks are packed to bits once per call when the bits take at most this many bytes: 8 MiB
+// covers a mask broadcast over batch and heads up to L = S = 8192 (a 64 MiB bool array), and keeps
+// the working memory bounded whatever L * S is (DESIGN: never O(L * S)). Bigger masks are read as
+// bytes by the tiles, which costs ~5% of a masked call at L = S = 4096 (measured: 1x8x4096x64).
+constexpr int64_t kMaxPackedMaskBytes = int64_t(8) << 20;
+std::atomic<int64_t> g_packed_mask_limit{kMaxPackedMaskBytes};
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -214,8 +221,9 @@ struct PackedMask {
   std::unique_ptr<AlignedBuffer<uint64_t>> bits;
 };
 
-// Packs boolean mask m into p and points m at it. Heads whose offsets coincide (a mask broadcast
-// over batch or heads) share one copy; a mask row shared by every query row is packed once.
+// Packs boolean mask m into p and points m at it, unless the bits would take more than the limit.
+// Heads whose offsets coincide (a mask broadcast over batch or heads) share one copy; a mask row
+// shared by every query row is packed once.
 void pack_boolean_mask(MaskSlot& m, int64_t batch_heads, int64_t q_len, int64_t kv_len, int threads,
                        PackedMask& p) {
   const int64_t rows = m.stride_l == 0 ? 1 : q_len, words = ceil_div(kv_len, 64);
@@ -228,6 +236,8 @@ void pack_boolean_mask(MaskSlot& m, int64_t batch_heads, int64_t q_len, int64_t 
     if (distinct.empty() || distinct.back() != ob.first) distinct.push_back(ob.first);
     p.offset[size_t(ob.second)] = int64_t(distinct.size() - 1) * rows * words;
   }
+  const int64_t bytes = int64_t(distinct.size()) * rows * words * int64_t(sizeof(uint64_t));
+  if (bytes > g_packed_mask_limit.load(std::memory_order_relaxed)) return;
   p.bits.reset(new AlignedBuffer<uint64_t>(size_t(int64_t(distinct.size()) * rows * words)));
   // Items of 64 rows (a tile's worth): a few hundred KiB of mask bytes each at long key lengths.
   const int64_t chunk = 64, chunks = ceil_div(rows, chunk);
@@ -397,6 +407,8 @@ int default_num_threads() {
 }
 
 void set_default_num_threads(int n) { g_default_threads.store(n > 0 ? n : 0, std::memory_order_relaxed); }
+
+int64_t set_packed_mask_limit(int64_t bytes) { return g_packed_mask_limit.exchange(bytes < 0 ? 0 : bytes); }
 
 bool openmp_enabled() {
 #if defined(PYATTN_OPENMP)

@@ -29,7 +29,7 @@ struct MaskSlot {
   int64_t stride_l = 0;
   int64_t stride_s = 0;
   // A boolean mask as bits, 1 = may attend (true_forbids applied), filled by the driver for the
-  // tile kernels (which read boolean masks only this way): key j of row i of head bh is bit j % 64
+  // tile kernels when the bits fit its budget (else null): key j of row i of head bh is bit j % 64
   // of bits[bits_offset[bh] + i * bits_stride_l + j / 64]; rows are bits_words words long (bits
   // past kv_len are 0) and bits_stride_l is 0 when every query row shares one mask row.
   const uint64_t* bits = nullptr;
@@ -214,6 +214,9 @@ template <class T>
 void scaled_dot_product_attention(const AttnArgs<T>& a, int num_threads);
 int default_num_threads();
 void set_default_num_threads(int n);  // 0 = unset (OpenMP default)
+// Largest packed copy of a boolean mask the driver makes, in bytes (tests set 0 to force the kernels
+// to read mask bytes); returns the previous value.
+int64_t set_packed_mask_limit(int64_t bytes);
 bool openmp_enabled();
 const char* openmp_runtime();
 double fma_peak_gflops(int num_threads, double seconds);

@@ -664,6 +664,9 @@ PYBIND11_MODULE(_core, m) {
     set_default_num_threads(n);
   });
   m.def("get_num_threads", &default_num_threads);
+  m.def("_set_packed_mask_limit", &set_packed_mask_limit, py::arg("nbytes"),
+        "Largest packed (bit) copy of a boolean mask a call makes; 0 makes the kernels read mask bytes "
+        "(for tests). Returns the previous limit.");
   m.def("openmp_runtime", []() { return std::string(openmp_runtime()); });
   m.def("openmp_enabled", &openmp_enabled);
   m.def("compiler", &compiler_string);

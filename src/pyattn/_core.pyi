@@ -96,6 +96,10 @@ def available_isas() -> list[str]:
 def _set_isa(name: str) -> None:
     """Force a kernel ISA (for tests and benchmarks); ValueError for an unknown or unsupported one."""
 
+def _set_packed_mask_limit(nbytes: int) -> int:
+    """Largest packed (bit) copy of a boolean mask a call makes (default 8 MiB); 0 makes the kernels
+    read the mask bytes themselves (for tests). Returns the previous limit."""
+
 def set_num_threads(n: int) -> None:
     """Default thread count; 0 restores OpenMP's default. ValueError when negative."""
 
