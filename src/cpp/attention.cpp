@@ -228,8 +228,12 @@ void pack_boolean_mask(MaskSlot& m, int64_t batch_heads, int64_t q_len, int64_t 
                        PackedMask& p) {
   const int64_t rows = m.stride_l == 0 ? 1 : q_len, words = ceil_div(kv_len, 64);
   std::vector<std::pair<int64_t, int64_t>> by_offset(static_cast<size_t>(batch_heads));  // (offset, bh)
-  for (int64_t bh = 0; bh < batch_heads; ++bh) by_offset[size_t(bh)] = {m.offset[bh], bh};
-  std::sort(by_offset.begin(), by_offset.end());
+  bool ordered = true;  // offsets of unbroadcast and batch-shared masks never decrease: no sort needed
+  for (int64_t bh = 0; bh < batch_heads; ++bh) {
+    by_offset[size_t(bh)] = {m.offset[bh], bh};
+    ordered = ordered && (bh == 0 || m.offset[bh] >= m.offset[bh - 1]);
+  }
+  if (!ordered) std::sort(by_offset.begin(), by_offset.end());
   std::vector<int64_t> distinct;
   p.offset.resize(size_t(batch_heads));
   for (const auto& ob : by_offset) {
