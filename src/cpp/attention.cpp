@@ -50,10 +50,10 @@ constexpr int64_t kTaskTarget = 64;
 constexpr int64_t kMinChunkBlocks = 1;
 // Queries per head at or below which the decode kernel (lanes along head_dim) beats query tiles
 // (lanes along query rows, mostly padding at this size); query rows per decode work item; and the
-// decode kernel's key block and smallest key chunk worth a work item of its own.
+// smallest key chunk worth a work item of its own (chunks are whole decode blocks,
+// KernelSet::decode_block).
 constexpr int64_t kDecodeMaxLen = 4;
 constexpr int64_t kDecodeMaxRows = 16;
-constexpr int64_t kDecodeBlock = 128;  // = decode.inc's longest block; only used to round chunk sizes
 constexpr int64_t kDecodeMinChunk = 256;
 constexpr size_t kAlign = 64;  // cache line
 
@@ -270,7 +270,7 @@ void attend_decode(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_threads
   const int64_t row_chunks = ceil_div(rows_total, kDecodeMaxRows);
   const int64_t chunk_rows = ceil_div(rows_total, row_chunks);
   const int64_t tasks = kv_groups * row_chunks;
-  const Split split = split_keys(tasks, a.kv_len, kDecodeBlock, kDecodeMinChunk);
+  const Split split = split_keys(tasks, a.kv_len, ks.decode_block, kDecodeMinChunk);
   const int64_t items = tasks * split.count;
   const int threads = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, items)));
 

@@ -163,6 +163,7 @@ struct KernelSet {
   void (*decode)(const AttnArgs<T>& a, const DecodeTile& t, int64_t group, T* scratch, RowState<T> state);
   int64_t (*decode_scratch)(int64_t rows, int64_t head_dim, int64_t value_dim);
   int64_t (*decode_padded)(int64_t dim);  // value_dim rounded up to whole vectors (acc row length)
+  int64_t decode_block;  // the decode kernel's longest key block (split key chunks are whole blocks)
   int gemm_rows;    // rows of the GEMM register tile
   int gemm_panel;   // output columns per packed weight panel
   // C rows [row_begin, row_end) x columns of panel p.
