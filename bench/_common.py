@@ -167,8 +167,40 @@ def time_interleaved(
 ROUNDS_DEFAULT = 3  # alternating timing blocks per library and row (time_interleaved); 1 with --quick
 
 
-def add_rounds_argument(parser) -> None:
-    """The --rounds option of every bench script (resolve with rounds_value)."""
+@dataclass(frozen=True)
+class TimingDefaults:
+    """A script's defaults for --min-time (timed seconds per library and row) and --min-runs."""
+
+    min_time: float
+    min_runs: int
+    quick_min_runs: int
+    quick_min_time: float = 0.05
+
+
+def add_common_arguments(parser, defaults: TimingDefaults, *, seed_of: str, wait_idle_help: str,
+                         tables: str = "table") -> None:
+    """The options every bench script has (each script adds --quick and its own selections):
+    --threads, --isa, --min-time, --min-runs, --rounds, --wait-idle, --seed, --json, --markdown.
+    resolve_common_arguments checks them after parsing."""
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count(),
+        help="threads for every library (default: os.cpu_count() = %(default)s)",
+    )
+    parser.add_argument("--isa", default=None, help="force a pyattn ISA via pyattn._core._set_isa (e.g. avx2)")
+    parser.add_argument(
+        "--min-time",
+        type=float,
+        default=None,
+        help=f"timed seconds per library and row (default {defaults.min_time:g}, --quick {defaults.quick_min_time:g})",
+    )
+    parser.add_argument(
+        "--min-runs",
+        type=int,
+        default=None,
+        help=f"minimum timed runs (default {defaults.min_runs}, --quick {defaults.quick_min_runs})",
+    )
     parser.add_argument(
         "--rounds",
         type=int,
@@ -176,14 +208,25 @@ def add_rounds_argument(parser) -> None:
         help=f"alternating timing blocks per library and row, samples pooled (default {ROUNDS_DEFAULT}, "
         "--quick 1): a slow spell of a shared machine then hits every library alike",
     )
+    parser.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS", help=wait_idle_help)
+    parser.add_argument("--seed", type=int, default=0, help=f"random seed for {seed_of}")
+    parser.add_argument("--json", metavar="PATH", default=None, help="save machine info and all rows as JSON")
+    parser.add_argument("--markdown", action="store_true", help=f"also print the {tables} as Markdown at the end")
 
 
-def rounds_value(args, parser) -> int:
+def resolve_common_arguments(args, parser, defaults: TimingDefaults) -> None:
+    """Checks --threads and --rounds, and fills in --min-time, --min-runs and --rounds from the
+    script's defaults (the --quick ones with --quick)."""
+    if args.threads is None or args.threads < 1:
+        parser.error("--threads must be >= 1")
+    if args.min_time is None:
+        args.min_time = defaults.quick_min_time if args.quick else defaults.min_time
+    if args.min_runs is None:
+        args.min_runs = defaults.quick_min_runs if args.quick else defaults.min_runs
     if args.rounds is None:
-        return 1 if args.quick else ROUNDS_DEFAULT
-    if args.rounds < 1:
+        args.rounds = 1 if args.quick else ROUNDS_DEFAULT
+    elif args.rounds < 1:
         parser.error("--rounds must be >= 1")
-    return args.rounds
 
 
 def cpu_model() -> str:

@@ -67,8 +67,9 @@ from _common import (
     fmt_ms,
     import_pyattn,
     now_iso,
-    add_rounds_argument,
-    rounds_value,
+    add_common_arguments,
+    resolve_common_arguments,
+    TimingDefaults,
     time_call,
     time_interleaved,
     wait_for_idle,
@@ -83,6 +84,7 @@ FILL_CHUNK = 4096  # tokens appended per call while pre-filling (bounds the temp
 WARMUP = 3
 PAUSE = 0.2  # seconds of sleep before each library's block
 REDO = 3  # with --wait-idle: times a shape disturbed by other processes is redone
+TIMING = TimingDefaults(min_time=0.5, min_runs=20, quick_min_runs=5)  # --min-time / --min-runs
 
 
 @dataclass(frozen=True)
@@ -351,9 +353,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--threads", type=int, default=os.cpu_count(), help="threads for every library (default: %(default)s)"
-    )
-    parser.add_argument(
         "--quick", action="store_true", help=f"smoke test: {', '.join(c.name for c in QUICK)}, few runs (< 30 s)"
     )
     parser.add_argument(
@@ -362,29 +361,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="BxHKVxS,...",
         help="run only these shapes, e.g. 1x8x64k,8x32x4096 (batch x kv heads x cache length; k = 1024)",
     )
-    parser.add_argument("--isa", default=None, help="force a pyattn ISA via pyattn._core._set_isa (e.g. avx2)")
     parser.add_argument(
         "--dtypes", default=",".join(CACHE_DTYPES), help="comma-separated cache dtypes (default: %(default)s)"
     )
-    parser.add_argument(
-        "--min-time", type=float, default=None, help="timed seconds per library and row (default 0.5, --quick 0.05)"
+    add_common_arguments(
+        parser,
+        TIMING,
+        seed_of="the cache contents and queries",
+        wait_idle_help="shared machines: before each shape wait up to SECONDS for other processes to go idle, "
+        f"and redo a shape they disturbed (up to {REDO} times)",
     )
-    parser.add_argument("--min-runs", type=int, default=None, help="minimum timed runs (default 20, --quick 5)")
-    parser.add_argument(
-        "--wait-idle",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="shared machines: before each shape wait up to SECONDS for other processes to go idle, and redo "
-        f"a shape they disturbed (up to {REDO} times)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="random seed for the cache contents and queries")
-    parser.add_argument("--json", metavar="PATH", default=None, help="save machine info and all rows as JSON")
-    parser.add_argument("--markdown", action="store_true", help="also print the table as Markdown at the end")
-    add_rounds_argument(parser)
     args = parser.parse_args(argv)
-    if args.threads is None or args.threads < 1:
-        parser.error("--threads must be >= 1")
+    resolve_common_arguments(args, parser, TIMING)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     unknown = [d for d in args.dtypes if d not in CACHE_DTYPES]
     if unknown or not args.dtypes:
@@ -397,11 +385,6 @@ def parse_args(argv=None) -> argparse.Namespace:
             args.cases = [parse_case(text) for text in args.cases.split(",") if text.strip()]
         except ValueError:
             parser.error(f"--cases: expected BxHKVxS items like 1x8x64k, got {args.cases!r}")
-    if args.min_time is None:
-        args.min_time = 0.05 if args.quick else 0.5
-    if args.min_runs is None:
-        args.min_runs = 5 if args.quick else 20
-    args.rounds = rounds_value(args, parser)
     return args
 
 

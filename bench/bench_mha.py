@@ -67,8 +67,9 @@ from _common import (
     now_iso,
     numpy_blas_name,
     openblas_env_warnings,
-    add_rounds_argument,
-    rounds_value,
+    add_common_arguments,
+    resolve_common_arguments,
+    TimingDefaults,
     time_call,
     time_interleaved,
     wait_for_idle,
@@ -79,6 +80,7 @@ DTYPE = np.float32
 REFERENCE_MAX_LEN = 128  # the float64 reference runs (and is the error yardstick) only up to this L
 WARMUP = 2  # untimed calls per library and row (torch's first calls allocate and pick kernels)
 ROW_RETRIES = 2  # with --wait-idle: redo a row disturbed by other processes at most this often
+TIMING = TimingDefaults(min_time=0.5, min_runs=10, quick_min_runs=3)  # --min-time / --min-runs
 
 
 @dataclass(frozen=True)
@@ -400,9 +402,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         epilog=ENVIRONMENT_HELP.format(script="bench/bench_mha.py"),
     )
     parser.add_argument(
-        "--threads", type=int, default=os.cpu_count(), help="threads for every library (default: %(default)s)"
-    )
-    parser.add_argument(
         "--quick", action="store_true", help=f"smoke test: layers {', '.join(QUICK_LAYERS)}, few runs (< 30 s)"
     )
     parser.add_argument(
@@ -413,30 +412,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--no-gemm", action="store_true", help="skip the GEMM table")
     parser.add_argument("--no-layer", action="store_true", help="skip the layer table")
-    parser.add_argument("--isa", default=None, help="force a pyattn ISA via pyattn._core._set_isa (e.g. avx2)")
-    parser.add_argument(
-        "--min-time", type=float, default=None, help="timed seconds per library and row (default 0.5, --quick 0.05)"
+    add_common_arguments(
+        parser,
+        TIMING,
+        seed_of="weights and inputs",
+        wait_idle_help="shared machines: before each row wait up to SECONDS for other processes to go idle",
+        tables="tables",
     )
-    parser.add_argument("--min-runs", type=int, default=None, help="minimum timed runs (default 10, --quick 3)")
-    parser.add_argument(
-        "--wait-idle",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="shared machines: before each row wait up to SECONDS for other processes to go idle",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="random seed for weights and inputs")
-    parser.add_argument("--json", metavar="PATH", default=None, help="save machine info and all rows as JSON")
-    parser.add_argument("--markdown", action="store_true", help="also print the tables as Markdown at the end")
-    add_rounds_argument(parser)
     args = parser.parse_args(argv)
-    if args.threads is None or args.threads < 1:
-        parser.error("--threads must be >= 1")
-    if args.min_time is None:
-        args.min_time = 0.05 if args.quick else 0.5
-    if args.min_runs is None:
-        args.min_runs = 3 if args.quick else 10
-    args.rounds = rounds_value(args, parser)
+    resolve_common_arguments(args, parser, TIMING)
     return args
 
 

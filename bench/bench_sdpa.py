@@ -72,8 +72,9 @@ from _common import (
     now_iso,
     numpy_blas_name,
     openblas_env_warnings,
-    add_rounds_argument,
-    rounds_value,
+    add_common_arguments,
+    resolve_common_arguments,
+    TimingDefaults,
     time_interleaved,
     wait_for_idle,
     finish_run,
@@ -82,6 +83,7 @@ from _common import (
 DTYPE = np.float32
 FULL_CHECK_MAX_SCORES = 1 << 23  # B*H*L*S above this: the error is checked on [:1, :1] only
 ROW_RETRIES = 2  # with --wait-idle: redo a row disturbed by other processes at most this often
+TIMING = TimingDefaults(min_time=0.3, min_runs=5, quick_min_runs=3)  # --min-time / --min-runs
 PEER_AGREEMENT_TOL = 1e-3  # a peer further than this from pyattn is reported (bench bug or real bug)
 NUMPY_CHUNK_SCORES = 1 << 22  # the numpy peer materialises at most this many float32 scores at once
 
@@ -629,12 +631,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         ),
     )
     parser.add_argument(
-        "--threads",
-        type=int,
-        default=os.cpu_count(),
-        help="threads for every library (default: os.cpu_count() = %(default)s)",
-    )
-    parser.add_argument(
         "--quick",
         action="store_true",
         help=f"smoke test: shapes {', '.join(QUICK_SUITE)} and few runs (< 30 s)",
@@ -653,38 +649,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=",".join(PEERS),
         help="comma-separated subset of %(default)s (missing libraries are skipped)",
     )
-    parser.add_argument(
-        "--isa", default=None, help="force a pyattn ISA via pyattn._core._set_isa (e.g. avx2)"
-    )
-    parser.add_argument(
-        "--min-time",
-        type=float,
-        default=None,
-        help="timed seconds per library and row (default 0.3, --quick 0.05)",
-    )
-    parser.add_argument(
-        "--min-runs", type=int, default=None, help="minimum timed runs (default 5, --quick 3)"
-    )
-    add_rounds_argument(parser)
-    parser.add_argument(
-        "--wait-idle",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="shared machines: before each row wait up to SECONDS for idle CPUs, and redo a row "
+    add_common_arguments(
+        parser,
+        TIMING,
+        seed_of="inputs and masks",
+        wait_idle_help="shared machines: before each row wait up to SECONDS for idle CPUs, and redo a row "
         f"that other processes disturbed (up to {ROW_RETRIES} times; default 0 = only report it)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="random seed for inputs and masks")
-    parser.add_argument("--json", metavar="PATH", default=None, help="save machine info and all rows as JSON")
-    parser.add_argument("--markdown", action="store_true", help="also print the table as Markdown at the end")
     args = parser.parse_args(argv)
-    if args.threads is None or args.threads < 1:
-        parser.error("--threads must be >= 1")
-    if args.min_time is None:
-        args.min_time = 0.05 if args.quick else 0.3
-    if args.min_runs is None:
-        args.min_runs = 3 if args.quick else 5
-    args.rounds = rounds_value(args, parser)
+    resolve_common_arguments(args, parser, TIMING)
     args.variants = _split(args.variants, VARIANTS, parser, "--variants")
     args.peers = _split(args.peers, PEERS, parser, "--peers")
     return args
