@@ -5,6 +5,8 @@ Inputs are views cut from NaN-filled parents (see conftest.nan_guarded), so an o
 stride mistake shows up as NaN in the output.
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 from conftest import (
@@ -149,14 +151,20 @@ def test_masked_block_edges(isa, dtype, rng, q_len, kv_len, pattern):
     assert np.isfinite(out).all()
 
 
-@pytest.fixture
-def mask_bytes():
+@contextlib.contextmanager
+def masks_read_as_bytes():
     """Makes the kernels read boolean masks as bytes: no call packs a bit copy (see attention.cpp)."""
     previous = pyattn._core._set_packed_mask_limit(0)
     try:
         yield
     finally:
         pyattn._core._set_packed_mask_limit(previous)
+
+
+@pytest.fixture
+def mask_bytes():
+    with masks_read_as_bytes():
+        yield
 
 
 def _bool_mask_cases(rng, q_len, kv_len):
@@ -188,11 +196,8 @@ def test_bool_mask_bytes_and_bits_agree(isa, dtype, rng, q_len, kv_len, layout, 
     q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=3, q_len=q_len, kv_len=kv_len, head_dim=16)
     mask = _bool_mask_cases(rng, q_len, kv_len)[layout]
     packed = check_against_reference(q, k, v, mask, **options)
-    previous = pyattn._core._set_packed_mask_limit(0)
-    try:
+    with masks_read_as_bytes():
         from_bytes = sdpa(q, k, v, mask, **options)
-    finally:
-        pyattn._core._set_packed_mask_limit(previous)
     if options.get("return_weights"):
         np.testing.assert_array_equal(packed[1], from_bytes[1])
         packed, from_bytes = packed[0], from_bytes[0]
