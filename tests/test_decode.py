@@ -4,14 +4,15 @@
 
 What is held against what:
 
-* decoding token by token, or prefilling in chunks (1, 3, 4, 5, 17 tokens: both sides of the decode
-  kernel's q_len <= 4 limit), equals one full causal forward of the same layer, for every ISA,
+* decoding token by token, or prefilling in chunks (1, 3, DECODE_MAX, DECODE_MAX + 1, 17 tokens:
+  both sides of the decode kernel's q_len <= DECODE_MAX limit, 8), equals one full causal forward of the same layer, for every ISA,
   float32 and float64 layers, multi-head, grouped-query and multi-query attention;
 * 16-bit caches (float16, bfloat16) against a float64 computation from the K/V values the cache
   actually stores (already rounded), so the only error left is float32 arithmetic;
 * ragged batches (num_new, right or left padding) against each row computed alone, with NaN in the
   padding tokens and NaN garbage in the cache storage past each row's length;
-* 16-bit scaled_dot_product_attention (direct decode path for q_len <= 4, float32 copies above)
+* 16-bit scaled_dot_product_attention (direct decode path for q_len <= DECODE_MAX, float32 copies
+  above)
   against the float64 reference of the rounded inputs;
 * the decode path's key-range split (kv_len 3000) with NaN in forbidden K/V rows, and bitwise
   thread-count determinism (the split depends on the shape only, never on the thread count).
@@ -43,6 +44,8 @@ sdpa = pyattn.scaled_dot_product_attention
 HALF_TOL = {"float16": (1e-3, 2e-5), "bfloat16": (8e-3, 2e-5)}
 
 HALF_NAMES = ["float16", "bfloat16"]
+# Longest query (rows per head) that the driver gives the decode kernel (kDecodeMaxLen).
+DECODE_MAX = pyattn._core.DECODE_MAX_Q_LEN
 CACHE_DTYPES = ["float32", "float64", "float16", "bfloat16"]
 
 
@@ -138,12 +141,12 @@ def test_token_by_token_equals_causal_forward(isa, dtype, rng, num_kv_heads):
 
 @pytest.mark.parametrize(
     "sizes",
-    [[1], [3], [4], [5], [17], [17, 1, 5, 3, 4, 1]],
-    ids=["1", "3", "4", "5", "17", "mixed"],
+    [[1], [3], [DECODE_MAX], [DECODE_MAX + 1], [17], [17, 1, DECODE_MAX + 1, 3, DECODE_MAX, 1]],
+    ids=["1", "3", "decode_max", "decode_max+1", "17", "mixed"],
 )
 @pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["gqa2", "mqa"])
 def test_chunked_prefill_equals_causal_forward(isa, dtype, rng, sizes, num_kv_heads):
-    """Chunks of <= 4 tokens go through the decode kernel, longer ones through the tiled kernel with
+    """Chunks of <= DECODE_MAX tokens go through the decode kernel, longer ones through the tiled kernel with
     per-row causal offsets; any mix equals one causal pass (max_len = 40: filled exactly)."""
     layer = make_layer(rng, 96, 8, num_kv_heads, dtype)
     x = random_array(rng, (2, 40, 96), dtype)
@@ -195,7 +198,7 @@ def test_half_cache_layer_matches_reference_of_stored_kv(isa, rng, name, num_kv_
 
 
 @pytest.mark.parametrize("name", HALF_NAMES)
-@pytest.mark.parametrize("chunk", [1, 4, 6])
+@pytest.mark.parametrize("chunk", [1, 4, DECODE_MAX, DECODE_MAX + 1])
 def test_half_cache_attend_equals_float32_cache_of_same_values(isa, rng, name, chunk):
     """A 16-bit cache and a float32 cache holding the same (rounded) values give the same attention."""
     storage = np_dtype(name)
@@ -241,9 +244,9 @@ def test_ragged_batch_equals_rows_alone(isa, rng, name, left_padded):
     compute = compute_dtype(name)
     layer = make_layer(rng, 32, 4, 2, compute)
     steps = [  # (chunk, num_new per row) or (1, None)
-        (6, [6, 1, 3, 0]),  # chunk > 4: tile path (float32 copies for 16-bit caches)
+        (DECODE_MAX + 2, [DECODE_MAX + 2, 1, 3, 0]),  # tile path (float32 copies for 16-bit caches)
         (1, None),
-        (3, [3, 0, 2, 1]),  # chunk <= 4: decode path (direct 16-bit read)
+        (3, [3, 0, 2, 1]),  # chunk <= DECODE_MAX: decode path (direct 16-bit read)
         (1, None),
         (1, None),
         (5, [0, 5, 4, 2]),
@@ -629,10 +632,10 @@ HALF_CASES = {
 
 
 @pytest.mark.parametrize("case", list(HALF_CASES))
-@pytest.mark.parametrize("q_len", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("q_len", [1, 2, 3, 4, 5, DECODE_MAX, DECODE_MAX + 1])
 @pytest.mark.parametrize("name", HALF_NAMES)
 def test_half_sdpa_matches_reference(isa, rng, name, q_len, case):
-    """q_len <= 4 reads 16-bit K/V directly (decode kernel), q_len > 4 converts them to float32 first;
+    """q_len <= DECODE_MAX reads 16-bit K/V directly (decode kernel), longer ones convert them to float32 first;
     both against the float64 reference of the (already rounded) inputs. Inputs are strided views cut
     from NaN-filled parents; head_dim 24 leaves a conversion tail on every ISA."""
     dtype = np_dtype(name)

@@ -65,6 +65,24 @@ def test_block_boundaries(isa, dtype, rng, q_len, kv_len):
     check_against_reference(q, k, v, mask, is_causal="lower_right", return_weights=True)
 
 
+# Query tiles run with as few row vectors as hold their rows (1 .. row_vecs: 16..64 rows on AVX-512
+# float32, 8..32 float64, 8..16 on AVX2): q_len past the decode kernel's limit but short of a block,
+# and whole blocks plus a remainder of every width, for every ISA and dtype; boolean mask with a
+# lower-right causal limit, and the weights (written by the same tile width).
+@pytest.mark.parametrize(
+    "q_len", [pyattn._core.DECODE_MAX_Q_LEN + 1, 17, 24, 33, 48, 65, 73, 81, 89, 97, 113, 121]
+)
+@pytest.mark.parametrize("variant", ["plain", "masked", "weights"])
+def test_tile_widths(isa, dtype, rng, q_len, variant):
+    kv_len = q_len + 37
+    q, k, v = make_qkv(rng, dtype, q_heads=2, q_len=q_len, kv_len=kv_len, head_dim=20, value_dim=13)
+    if variant == "plain":
+        check_against_reference(q, k, v)
+        return
+    mask = random_mask(rng, (q_len, kv_len), "bool", dtype, p_allowed=0.8)
+    check_against_reference(q, k, v, mask, is_causal="lower_right", return_weights=variant == "weights")
+
+
 @pytest.mark.parametrize(
     "q_len, kv_len, options",
     [

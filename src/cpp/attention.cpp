@@ -48,11 +48,9 @@ constexpr int64_t kTaskTarget = 64;
 // A chunk of a split key range is at least this many key blocks (256 keys for float32 tiles), so the
 // merge (one pass over the chunk's accumulators) stays under 1% of the chunk's work.
 constexpr int64_t kMinChunkBlocks = 1;
-// Queries per head at or below which the decode kernel (lanes along head_dim) beats query tiles
-// (lanes along query rows, mostly padding at this size); query rows per decode work item; and the
+// Query rows per decode work item (kDecodeMaxLen, attention.h, picks the decode kernel), and the
 // smallest key chunk worth a work item of its own (chunks are whole decode blocks,
 // KernelSet::decode_block).
-constexpr int64_t kDecodeMaxLen = 4;
 constexpr int64_t kDecodeMaxRows = 16;
 constexpr int64_t kDecodeMinChunk = 256;
 constexpr size_t kAlign = 64;  // cache line
@@ -338,15 +336,18 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
     if (a.masks[x].kind == MaskKind::boolean && a.kv_len > 0)
       pack_boolean_mask(a.masks[x], a.batch_heads, a.q_len, a.kv_len, threads_wanted, packed[x]);
 
-  // Short queries use one vector of rows per tile, so they do not compute many padding rows.
+  // Query rows are split into blocks of lanes * row_vecs (the widest register tile; one vector of
+  // rows when q_len fits it). Each tile then runs with as few row vectors as hold its rows
+  // (tile_rows), so a short query or a block's remainder does not compute up to three vectors of
+  // padding rows: q_len = 32 on AVX-512 in 64-row tiles was 1.7x slower than in two 16-row tiles.
   const int64_t block_rows = a.q_len <= ks.lanes ? ks.lanes : int64_t(ks.lanes) * ks.row_vecs;
+  auto tile_rows = [&](const Tile& t) { return std::min(block_rows, ceil_div(t.rows, int64_t(ks.lanes)) * ks.lanes); };
   const int64_t q_blocks = ceil_div(a.q_len, block_rows);
   const int64_t tasks = a.batch_heads * q_blocks;
   const int64_t key_block = ks.key_block(block_rows);
   const Split split = a.weights ? Split{1, a.kv_len} : split_keys(tasks, a.kv_len, key_block, kMinChunkBlocks * key_block);
   const int64_t items = tasks * split.count;
   const int threads = int(std::max<int64_t>(1, std::min<int64_t>(threads_wanted, items)));
-  const AccLayout lay{1, block_rows};
 
   const size_t qt_elems = padded(size_t(a.head_dim * block_rows), sizeof(T));
   const size_t st_elems = padded(size_t(key_block * block_rows), sizeof(T));
@@ -379,12 +380,12 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
       t.j_begin = std::min(t.j_end, c * split.chunk);
       t.j_end = std::min(t.j_end, t.j_begin + split.chunk);
       s.state = state_at(partials->data() + sstate * size_t(n), block_rows, a.value_dim);
-      ks.attend(a, t, block_rows, s);
+      ks.attend(a, t, tile_rows(t), s);
       return;
     }
-    ks.attend(a, t, block_rows, s);
-    ks.finalize(s.state, block_rows, t.rows, a.value_dim, a.out_rows(t.bh) + t.i0 * a.out_stride_l, a.out_stride_l);
-    if (a.weights) ks.write_weights(a, t, block_rows, s);
+    ks.attend(a, t, tile_rows(t), s);
+    ks.finalize(s.state, tile_rows(t), t.rows, a.value_dim, a.out_rows(t.bh) + t.i0 * a.out_stride_l, a.out_stride_l);
+    if (a.weights) ks.write_weights(a, t, tile_rows(t), s);
   });
 
   if (split.count > 1) {
@@ -392,7 +393,7 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
       const Tile t = tile_of(task);
       T* base = partials->data() + sstate * size_t(task * split.count);
       merge_partials<T>(split.count, [&](int64_t c) { return state_at(base + sstate * size_t(c), block_rows, a.value_dim); },
-                        lay, t.rows, a.value_dim, out_row_of(t));
+                        AccLayout{1, tile_rows(t)}, t.rows, a.value_dim, out_row_of(t));
     });
   }
 }

@@ -148,11 +148,11 @@ struct GemmArgs {
 template <class T>
 struct KernelSet {
   int lanes;           // SIMD width in elements of T
-  int row_vecs;        // query-row vectors per register tile; block_rows = lanes * row_vecs (or lanes)
+  int row_vecs;        // most query-row vectors per register tile: block_rows = lanes * (1 .. row_vecs)
   // Keys processed per online-softmax step for a given block_rows.
   int64_t (*key_block)(int64_t block_rows);
   // Online-softmax attention of one tile into `s.state` (which it initialises).
-  // block_rows is lanes or lanes*row_vecs (the caller picks; small q_len uses the narrow variant).
+  // block_rows is lanes * rv, rv in 1 .. row_vecs (the caller picks the fewest that hold t.rows).
   void (*attend)(const AttnArgs<T>& a, const Tile& t, int64_t block_rows, Scratch<T>& s);
   // Writes normalised softmax weights of the tile's rows for all keys, from the final state.
   void (*write_weights)(const AttnArgs<T>& a, const Tile& t, int64_t block_rows, Scratch<T>& s);
@@ -213,6 +213,15 @@ bool isa_compiled(const char* name);
 // attention.cpp: the driver (owns the only OpenMP parallel region).
 template <class T>
 void scaled_dot_product_attention(const AttnArgs<T>& a, int num_threads);
+// Query rows per head at or below which the driver runs the decode kernel (lanes along head_dim, a
+// GQA group's rows sharing every K/V load, the key range split across threads) instead of query
+// tiles (lanes along query rows). Measured on Zen 4, 2 threads, 32 query heads, head_dim 128,
+// lower-right causal: for 5-8 rows the decode kernel is 1.2-2.2x faster than one-vector tiles with
+// 8 or 32 key/value heads and 16-4096 keys, on AVX-512 (16-row tiles, mostly padding) and AVX2
+// (8-row tiles, no padding at 8) alike; at 12 rows and 4096 keys the two are level, at 16 the
+// tiles lead by 5-30%. Python reads it as _core.DECODE_MAX_Q_LEN (which 16-bit K/V it can pass
+// without float32 copies).
+constexpr int64_t kDecodeMaxLen = 8;
 int default_num_threads();
 void set_default_num_threads(int n);  // 0 = unset (OpenMP default)
 // Largest packed copy of a boolean mask the driver makes, in bytes (tests set 0 to force the kernels

@@ -245,7 +245,8 @@ void sdpa(const py::array& q, const py::array& k, const py::array& v, const py::
     if (!k.dtype().is(py::dtype::of<uint16_t>()) || !v.dtype().is(py::dtype::of<uint16_t>()))
       fail("key/value: 16-bit storage must be passed as uint16 views");
     if (!weights.is_none()) fail("return_weights needs float32 keys and values");
-    if (dims[1] > 4) fail("float16/bfloat16 keys and values are read directly only for q_len <= 4");
+    if (dims[1] > kDecodeMaxLen)
+      fail("float16/bfloat16 keys and values are read directly only for q_len <= " + std::to_string(kDecodeMaxLen));
   }
   if (is_float32(q))
     run_sdpa<float>(q, k, v, mask, out, weights, offsets, strides, dims, causal, causal_offset, scale, num_threads,
@@ -707,6 +708,7 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("arrays"), py::arg("num_threads"),
       "GB/s of reading these C-contiguous arrays once, each split across num_threads threads (best of 5).");
+  m.attr("DECODE_MAX_Q_LEN") = pyattn::kDecodeMaxLen;
 #if defined(PYATTN_VERSION)
   m.attr("__version__") = PYATTN_VERSION;
 #endif

@@ -21,8 +21,8 @@ _SUPPORTED = (np.dtype(np.float32), np.dtype(np.float64))
 # 16-bit inputs compute in float32 and return their own dtype; bfloat16 is ml_dtypes' dtype.
 _HALF_STORAGE = {"float16": 1, "bfloat16": 2}
 # Query rows per head at or below which the core's decode kernel reads 16-bit K/V directly
-# (src/cpp/attention.cpp, kDecodeMaxLen); longer queries get float32 copies of K and V.
-_DIRECT_HALF_MAX_Q_LEN = 4
+# (kDecodeMaxLen, src/cpp/attention.h); longer queries get float32 copies of K and V.
+_DIRECT_HALF_MAX_Q_LEN = int(_core.DECODE_MAX_Q_LEN)
 
 
 def _is_half(dtype):
