@@ -6,6 +6,7 @@ Run (from the repository root, with pyattn installed in the interpreter's enviro
     python bench/bench_decode.py                 # full suite (a few minutes, ~6 GiB of memory at 64k)
     python bench/bench_decode.py --quick         # smoke, < 30 s
     python bench/bench_decode.py --threads 1 --markdown --json decode.json
+    python bench/bench_decode.py --new-tokens 8    # 8 query tokens per step (speculative decoding)
 
 Shapes: B=1 with 32 query heads, 8 (GQA) or 32 (MHA) key/value heads, head_dim 128, and cache
 lengths S = 1k, 4k, 16k, 64k; plus B=8 at S=4k. Cache storage float32, float16 and bfloat16.
@@ -14,7 +15,10 @@ What is timed (the same work in every timed call): a KVCache with max_len = S is
 S - 1 random tokens, then one more token is appended (untimed), so the last appended chunk is that one
 token at position S - 1. The timed call is ``cache.attend(q, num_threads=T)`` with q (B, 32, 1, 128)
 float32: one query per head over all S cached keys (lower-right causal = every key is visible), the
-Python-side argument handling and the output allocation included. attend() does not modify the
+Python-side argument handling and the output allocation included. With ``--new-tokens N`` the last
+appended chunk is N tokens (S - N pre-filled) and q is (B, 32, N, 128): a step of speculative
+decoding or a short prefill chunk, lower-right causal (new token i sees the S - N cached keys and
+new tokens 0..i). attend() does not modify the
 cache, so every repetition reads exactly the same S keys and values.
 
 Peers (each library timed in its own blocks, with a pause before each block: two OpenMP runtimes
@@ -22,7 +26,8 @@ spin-waiting side by side interfere on a machine with few cores; torch and every
 turns in --rounds alternating blocks per shape, samples pooled, so that a slow spell of the machine
 hits all of them alike):
 
-* torch: ``torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)`` under
+* torch: ``torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)`` (with
+  ``attn_mask=torch.nn.attention.bias.causal_lower_right(N, S)`` when N > 1) under
   ``torch.inference_mode()`` and ``torch.set_num_threads(T)``, on the float32 cache's own memory
   (``torch.from_numpy(cache.keys())``, no copy). torch is timed once per shape, in float32: the
   16-bit rows compare pyattn's 16-bit cache against that same float32 torch time;
@@ -126,8 +131,8 @@ def storage_dtype(name: str):
     return np.dtype(name)
 
 
-def filled_cache(pyattn, case: Case, dtype_name: str, rng, source=None):
-    """A KVCache (max_len = S) holding S - 1 tokens plus one appended token (last chunk = 1 token).
+def filled_cache(pyattn, case: Case, dtype_name: str, rng, new_tokens: int, source=None):
+    """A KVCache (max_len = S) holding S - N tokens plus N appended ones (the last chunk: N tokens).
 
     Values are random normal, appended FILL_CHUNK tokens at a time, or copied (converted) from the
     float32 cache `source`, so at most one chunk of temporaries exists besides the caches.
@@ -141,9 +146,9 @@ def filled_cache(pyattn, case: Case, dtype_name: str, rng, source=None):
         shape = (b, hk, stop - start, HEAD_DIM)
         return rng.standard_normal(shape, dtype=np.float32), rng.standard_normal(shape, dtype=np.float32)
 
-    for start in range(0, s - 1, FILL_CHUNK):
-        cache.append(*chunk(start, min(start + FILL_CHUNK, s - 1)))
-    cache.append(*chunk(s - 1, s))  # the new token: attend() works on this 1-token chunk
+    for start in range(0, s - new_tokens, FILL_CHUNK):
+        cache.append(*chunk(start, min(start + FILL_CHUNK, s - new_tokens)))
+    cache.append(*chunk(s - new_tokens, s))  # the new tokens: attend() works on this chunk
     assert cache.lengths.tolist() == [s] * b
     return cache
 
@@ -157,14 +162,20 @@ def max_abs_diff(a, b) -> float:
 
 
 def torch_step(q, cache):
-    """torch SDPA (enable_gqa, inference_mode) on the float32 cache's memory, as a callable."""
+    """torch SDPA (enable_gqa, inference_mode) on the float32 cache's memory, as a callable; lower-right
+    causal (torch's CausalBias) when q has more than one token."""
     import torch
 
     tq, tk, tv = torch.from_numpy(q), torch.from_numpy(cache.keys()), torch.from_numpy(cache.values())
+    mask = None
+    if q.shape[2] > 1:
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = causal_lower_right(q.shape[2], tk.shape[2])
 
     def run():
         with torch.inference_mode():
-            return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
+            return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask, enable_gqa=True)
 
     return run
 
@@ -172,7 +183,8 @@ def torch_step(q, cache):
 def time_reference(pyattn, q, cache, timing):
     """The float64 reference on the cache's stored K/V (float64 copies made outside the timing)."""
     keys, values = cache.keys().astype(np.float64), cache.values().astype(np.float64)
-    return time_call(lambda: pyattn.reference.scaled_dot_product_attention(q, keys, values, enable_gqa=True),
+    return time_call(lambda: pyattn.reference.scaled_dot_product_attention(q, keys, values, enable_gqa=True,
+                                                                             is_causal="lower_right"),
                      **timing)
 
 
@@ -187,11 +199,11 @@ def case_rows(pyattn, case: Case, args, bandwidth) -> list[dict]:
     import torch
 
     rng = np.random.default_rng(args.seed)
-    q = rng.standard_normal((case.batch, NUM_HEADS, 1, HEAD_DIM), dtype=np.float32)
+    q = rng.standard_normal((case.batch, NUM_HEADS, args.new_tokens, HEAD_DIM), dtype=np.float32)
     t0 = time.perf_counter()
-    f32 = filled_cache(pyattn, case, "float32", rng)
+    f32 = filled_cache(pyattn, case, "float32", rng, args.new_tokens)
     fill_s = time.perf_counter() - t0
-    caches = {name: f32 if name == "float32" else filled_cache(pyattn, case, name, rng, source=f32)
+    caches = {name: f32 if name == "float32" else filled_cache(pyattn, case, name, rng, args.new_tokens, source=f32)
               for name in args.dtypes}
     read_before = {name: kv_read_gbs(pyattn, c, args.threads) for name, c in caches.items()}
 
@@ -221,6 +233,7 @@ def case_rows(pyattn, case: Case, args, bandwidth) -> list[dict]:
             "num_kv_heads": case.num_kv_heads,
             "head_dim": HEAD_DIM,
             "kv_len": case.kv_len,
+            "new_tokens": args.new_tokens,
             "cache_dtype": name,
             "kv_bytes": nbytes,
             "pyattn_ms": ms,
@@ -364,6 +377,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--dtypes", default=",".join(CACHE_DTYPES), help="comma-separated cache dtypes (default: %(default)s)"
     )
+    parser.add_argument(
+        "--new-tokens",
+        type=int,
+        default=1,
+        metavar="N",
+        help="query tokens per step, the last N of the S cached ones, lower-right causal (speculative "
+        "decoding, short prefill chunks; default: %(default)s)",
+    )
     add_common_arguments(
         parser,
         TIMING,
@@ -385,6 +406,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             args.cases = [parse_case(text) for text in args.cases.split(",") if text.strip()]
         except ValueError:
             parser.error(f"--cases: expected BxHKVxS items like 1x8x64k, got {args.cases!r}")
+    shortest = min(c.kv_len for c in (args.cases or (QUICK if args.quick else SUITE)))
+    if not 1 <= args.new_tokens <= shortest:
+        parser.error(f"--new-tokens: expected 1 .. {shortest} (the shortest cache length), got {args.new_tokens}")
     return args
 
 
@@ -427,9 +451,11 @@ def print_header(info: dict) -> None:
         print(f"background load before the run: {busy:.1f} of {info['logical_cpus']} CPUs busy")
         if busy > BUSY_WARN_CPUS:
             print("WARNING: other processes are using the CPUs; timings will be noisy and slow")
+    n = info["new_tokens"]
     print(
-        f"one decode step: q (B, {NUM_HEADS}, 1, {HEAD_DIM}) float32 over a cache of S tokens (Hkv heads, "
-        f"D = Dv = {HEAD_DIM}); timed call = cache.attend(q) after pre-filling S-1 tokens and appending 1"
+        f"one decode step: q (B, {NUM_HEADS}, {n}, {HEAD_DIM}) float32 over a cache of S tokens (Hkv heads, "
+        f"D = Dv = {HEAD_DIM}); timed call = cache.attend(q) after pre-filling S-{n} tokens and appending {n}"
+        + (" (lower-right causal)" if n > 1 else "")
     )
     print("ms = median after warm-up; GB/s = K+V bytes stored for S tokens / ms; %bw = of the read bandwidth above;"
           " read = streaming read of this row's own K and V arrays (GB/s); %rd = GB/s / read")
@@ -483,6 +509,7 @@ def main(argv=None) -> int:
         "seed": args.seed,
         "num_heads": NUM_HEADS,
         "head_dim": HEAD_DIM,
+        "new_tokens": args.new_tokens,
     }
     print_header(info)
 
