@@ -11,8 +11,8 @@ What is held against what:
   actually stores (already rounded), so the only error left is float32 arithmetic;
 * ragged batches (num_new, right or left padding) against each row computed alone, with NaN in the
   padding tokens and NaN garbage in the cache storage past each row's length;
-* 16-bit scaled_dot_product_attention (direct decode path for q_len <= DECODE_MAX, float32 copies
-  above)
+* 16-bit scaled_dot_product_attention and caches, on the decode path (q_len <= DECODE_MAX) and on
+  the query tiles (longer queries: every tile width, key blocks converted from 16 bits one at a time)
   against the float64 reference of the rounded inputs;
 * the decode path's key-range split (kv_len 3000) with NaN in forbidden K/V rows, and bitwise
   thread-count determinism (the split depends on the shape only, never on the thread count).
@@ -198,7 +198,7 @@ def test_half_cache_layer_matches_reference_of_stored_kv(isa, rng, name, num_kv_
 
 
 @pytest.mark.parametrize("name", HALF_NAMES)
-@pytest.mark.parametrize("chunk", [1, 4, DECODE_MAX, DECODE_MAX + 1])
+@pytest.mark.parametrize("chunk", [1, 4, DECODE_MAX, DECODE_MAX + 1, 17, 40])
 def test_half_cache_attend_equals_float32_cache_of_same_values(isa, rng, name, chunk):
     """A 16-bit cache and a float32 cache holding the same (rounded) values give the same attention."""
     storage = np_dtype(name)
@@ -244,7 +244,7 @@ def test_ragged_batch_equals_rows_alone(isa, rng, name, left_padded):
     compute = compute_dtype(name)
     layer = make_layer(rng, 32, 4, 2, compute)
     steps = [  # (chunk, num_new per row) or (1, None)
-        (DECODE_MAX + 2, [DECODE_MAX + 2, 1, 3, 0]),  # tile path (float32 copies for 16-bit caches)
+        (DECODE_MAX + 2, [DECODE_MAX + 2, 1, 3, 0]),  # tile path (16-bit blocks converted by the tiles)
         (1, None),
         (3, [3, 0, 2, 1]),  # chunk <= DECODE_MAX: decode path (direct 16-bit read)
         (1, None),
@@ -278,7 +278,7 @@ def test_ragged_batch_equals_rows_alone(isa, rng, name, left_padded):
 
 
 @pytest.mark.parametrize("left_padded", [False, True], ids=["right", "left"])
-@pytest.mark.parametrize("chunk", [1, 4, 5])
+@pytest.mark.parametrize("chunk", [1, 4, 5, DECODE_MAX + 4])
 @pytest.mark.parametrize("name", CACHE_DTYPES)
 def test_long_ragged_cache_attend(isa, rng, name, chunk, left_padded):
     """KVCache.attend with rows of very different lengths (the longest split into key chunks), a ragged
@@ -632,10 +632,11 @@ HALF_CASES = {
 
 
 @pytest.mark.parametrize("case", list(HALF_CASES))
-@pytest.mark.parametrize("q_len", [1, 2, 3, 4, 5, DECODE_MAX, DECODE_MAX + 1])
+@pytest.mark.parametrize("q_len", [1, 2, 3, 4, 5, DECODE_MAX, DECODE_MAX + 1, 17, 33, 65])
 @pytest.mark.parametrize("name", HALF_NAMES)
 def test_half_sdpa_matches_reference(isa, rng, name, q_len, case):
-    """q_len <= DECODE_MAX reads 16-bit K/V directly (decode kernel), longer ones convert them to float32 first;
+    """q_len <= DECODE_MAX runs the decode kernel, longer ones the query tiles (of every width), both reading
+    16-bit K/V directly;
     both against the float64 reference of the (already rounded) inputs. Inputs are strided views cut
     from NaN-filled parents; head_dim 24 leaves a conversion tail on every ISA."""
     dtype = np_dtype(name)
@@ -660,7 +661,7 @@ def test_half_sdpa_matches_reference(isa, rng, name, q_len, case):
 @pytest.mark.parametrize("name", HALF_NAMES)
 def test_half_sdpa_head_dims(isa, rng, name, head_dim):
     dtype = np_dtype(name)
-    for q_len in (1, 6):
+    for q_len in (1, 6, 20):
         q, k, v = make_qkv(rng, dtype, batch=(1,), q_heads=2, kv_len=45, q_len=q_len, head_dim=head_dim)
         got = sdpa(q, k, v, is_causal="lower_right")
         expected = reference.scaled_dot_product_attention(f64(q), f64(k), f64(v), is_causal="lower_right")
@@ -725,7 +726,7 @@ def long_kv_inputs(rng, dtype, q_len, kv_len=3000, heads=4, kv_heads=2, head_dim
     return q, k, v, mask, clean_k, clean_v
 
 
-@pytest.mark.parametrize("q_len", [1, 2, 3, 4])
+@pytest.mark.parametrize("q_len", [1, 2, 3, 4, DECODE_MAX + 1, 40])
 @pytest.mark.parametrize("name", CACHE_DTYPES)
 def test_decode_long_kv_split_and_nan_forbidden_keys(isa, rng, name, q_len):
     dtype = np_dtype(name)
@@ -844,7 +845,7 @@ def test_cache_attend_follows_every_change_of_lengths(rng):
     check([1, 1])
 
 
-@pytest.mark.parametrize("q_len", [1, 4, 6])
+@pytest.mark.parametrize("q_len", [1, 4, 6, 20])
 @pytest.mark.parametrize("name", HALF_NAMES)
 def test_half_sdpa_layouts_and_broadcast(isa, rng, name, q_len):
     """16-bit K/V read through strides: (B, S, H, E) views, and K/V broadcast over the batch (stride 0)."""
@@ -865,7 +866,7 @@ def test_half_sdpa_edges(rng, name):
     """More queries than keys with lower-right alignment (early rows see nothing: zeros), and
     zero-size dimensions, with 16-bit inputs on both paths."""
     dtype = np_dtype(name)
-    for q_len in (4, 7):
+    for q_len in (4, 7, 20):
         q, k, v = make_qkv(rng, dtype, q_heads=2, q_len=q_len, kv_len=2, head_dim=8)
         got = sdpa(q, k, v, is_causal="lower_right")
         expected = reference.scaled_dot_product_attention(f64(q), f64(k), f64(v), is_causal="lower_right")

@@ -10,7 +10,8 @@
 // dynamically, last query blocks first: under a causal mask they are the longest.
 //
 // Memory: per thread one query block, one score block and one accumulator (O(block_rows * (head_dim
-// + key_block + value_dim))); split calls add one partial accumulator per work item, whose count is
+// + key_block + value_dim)), plus one K and one V block converted from 16 bits when K/V are stored so);
+// split calls add one partial accumulator per work item, whose count is
 // bounded by kTaskTarget tasks' worth; a boolean mask may be packed to bits, one bit per element of
 // each distinct mask, up to kMaxPackedMaskBytes. Nothing is O(q_len * kv_len) except the caller's
 // weights.
@@ -324,8 +325,7 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
   if (in.batch_heads == 0 || in.q_len == 0) return;
   const KernelSet<T>& ks = active_set<T>();
   const int threads_wanted = num_threads > 0 ? num_threads : default_num_threads();
-  if (!in.weights && (in.q_len <= kDecodeMaxLen || in.kv_storage != Storage::same))
-    return attend_decode(in, ks, threads_wanted);
+  if (!in.weights && in.q_len <= kDecodeMaxLen) return attend_decode(in, ks, threads_wanted);
 
   // Boolean masks reach the tile kernels as bits: one pass over each distinct mask here instead of
   // every tile converting its bytes (a 4096 x 4096 mask broadcast over 8 heads: 16 MiB of bytes read
@@ -352,7 +352,11 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
   const size_t qt_elems = padded(size_t(a.head_dim * block_rows), sizeof(T));
   const size_t st_elems = padded(size_t(key_block * block_rows), sizeof(T));
   const size_t sstate = state_elems<T>(block_rows, a.value_dim);
-  const size_t per_thread = qt_elems + st_elems + sstate;
+  // 16-bit K/V: one converted K block and one V block per thread (key_block of the narrowest tile,
+  // the longest).
+  const size_t kv_elems =
+      a.kv_storage == Storage::same ? 0 : padded(size_t(ks.key_block(ks.lanes) * (a.head_dim + a.value_dim)), sizeof(T));
+  const size_t per_thread = qt_elems + st_elems + sstate + kv_elems;
   AlignedBuffer<T> scratch(per_thread * size_t(threads));
   std::unique_ptr<AlignedBuffer<T>> partials;
   if (split.count > 1) partials.reset(new AlignedBuffer<T>(sstate * size_t(items)));
@@ -373,7 +377,8 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
 
   parallel_for(items, threads, [&](int64_t n) {
     T* mine = scratch.data() + per_thread * size_t(thread_id());
-    Scratch<T> s{mine, mine + qt_elems, state_at(mine + qt_elems + st_elems, block_rows, a.value_dim)};
+    Scratch<T> s{mine, mine + qt_elems, state_at(mine + qt_elems + st_elems, block_rows, a.value_dim),
+                 kv_elems ? mine + qt_elems + st_elems + sstate : nullptr};
     Tile t = tile_of(n / split.count);
     if (split.count > 1) {
       const int64_t c = n % split.count;

@@ -118,6 +118,7 @@ struct Scratch {
   T* qt;      // [head_dim * block_rows]      query block, transposed and pre-scaled
   T* st;      // [key_block * block_rows]     scores, then probabilities, transposed
   RowState<T> state;
+  T* kv = nullptr;  // [key_block * (head_dim + value_dim)] one K and one V block converted from 16 bits
 };
 
 // Work item: query rows [i0, i0 + rows) of head bh against keys [j_begin, j_end).

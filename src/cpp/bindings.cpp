@@ -240,13 +240,11 @@ void sdpa(const py::array& q, const py::array& k, const py::array& v, const py::
   if (storage == Storage::same) {
     if (!q.dtype().is(k.dtype()) || !q.dtype().is(v.dtype())) fail("query, key and value must share one dtype");
   } else {
-    // 16-bit K/V are passed as uint16 views and read by the decode kernel, which needs few query rows.
+    // 16-bit K/V are passed as uint16 views; the kernels convert them a block at a time.
     if (!is_float32(q)) fail("query: must be float32 with float16/bfloat16 keys and values");
     if (!k.dtype().is(py::dtype::of<uint16_t>()) || !v.dtype().is(py::dtype::of<uint16_t>()))
       fail("key/value: 16-bit storage must be passed as uint16 views");
     if (!weights.is_none()) fail("return_weights needs float32 keys and values");
-    if (dims[1] > kDecodeMaxLen)
-      fail("float16/bfloat16 keys and values are read directly only for q_len <= " + std::to_string(kDecodeMaxLen));
   }
   if (is_float32(q))
     run_sdpa<float>(q, k, v, mask, out, weights, offsets, strides, dims, causal, causal_offset, scale, num_threads,

@@ -20,9 +20,6 @@ from . import _core
 _SUPPORTED = (np.dtype(np.float32), np.dtype(np.float64))
 # 16-bit inputs compute in float32 and return their own dtype; bfloat16 is ml_dtypes' dtype.
 _HALF_STORAGE = {"float16": 1, "bfloat16": 2}
-# Query rows per head at or below which the core's decode kernel reads 16-bit K/V directly
-# (kDecodeMaxLen, src/cpp/attention.h); longer queries get float32 copies of K and V.
-_DIRECT_HALF_MAX_Q_LEN = int(_core.DECODE_MAX_Q_LEN)
 
 
 def _is_half(dtype):
@@ -225,10 +222,10 @@ def scaled_dot_product_attention(
     out_ndim = max(q.ndim, k.ndim, v.ndim)
     kv_storage = 0
     if _is_half(dtype):
-        # Computed in float32. A few query rows read 16-bit K/V directly (the decode kernel converts
-        # one block at a time); otherwise K and V are converted to float32 copies first.
+        # Computed in float32. The kernels read 16-bit K/V directly, converting one key block at a
+        # time; only return_weights (a rare, O(L*S) mode) works on float32 copies of K and V.
         q = q.astype(np.float32)
-        if q.shape[-2] <= _DIRECT_HALF_MAX_Q_LEN and not return_weights:
+        if not return_weights:
             kv_storage = _HALF_STORAGE[dtype.name]
             k, v = _kernel_layout(k).view(np.uint16), _kernel_layout(v).view(np.uint16)
         else:

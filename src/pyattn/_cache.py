@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from . import _core
-from ._api import _HALF_STORAGE, _DIRECT_HALF_MAX_Q_LEN, _threads_value
+from ._api import _HALF_STORAGE, _threads_value
 
 
 def _storage_dtype(dtype):
@@ -230,20 +230,16 @@ class KVCache:
             q = np.ascontiguousarray(q)
         k, v = self._k, self._v
         storage = 0
-        copied = False
         kv_len, lengths, causal_offsets = self._causal_state()
-        if half and chunk <= _DIRECT_HALF_MAX_Q_LEN:
+        if half:  # read in place by the kernels, converted to float32 a key block at a time
             storage = self._half
             k, v = k.view(np.uint16), v.view(np.uint16)
-        elif half:  # long chunks (prefill): float32 copies of the filled part
-            k, v = k[:, :, :kv_len].astype(np.float32), v[:, :, :kv_len].astype(np.float32)
-            copied = True
         group = num_heads // self.num_kv_heads
         item_k, item_v = k.strides[3], v.strides[3]
         # The offsets only depend on the layout: built once per (heads, chunk, storage, q strides) for
         # the cache's own arrays (a decode loop calls attend with the same layout every step).
         key = (num_heads, chunk, storage, q.strides)
-        offsets = None if copied else self._offsets.get(key)
+        offsets = self._offsets.get(key)
         if offsets is None:
             heads = np.arange(num_heads, dtype=np.int64)
             bidx = np.arange(self.batch, dtype=np.int64)[:, None]
@@ -251,8 +247,7 @@ class KVCache:
             k_off = (bidx * k.strides[0] + (heads // group) * k.strides[1]).reshape(-1) // item_k
             v_off = (bidx * v.strides[0] + (heads // group) * v.strides[1]).reshape(-1) // item_v
             offsets = np.ascontiguousarray(np.stack([q_off, k_off, v_off, np.zeros_like(q_off)]), dtype=np.int64)
-            if not copied:
-                self._offsets[key] = offsets
+            self._offsets[key] = offsets
         out = np.empty((self.batch, num_heads, chunk, self.value_dim), compute)
         scale_value = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
         if not math.isfinite(scale_value):
