@@ -529,6 +529,28 @@ double read_buffers_gbs(const std::vector<std::pair<const void*, int64_t>>& buff
   return best;
 }
 
+namespace {
+// Runs convert(from, to, count) over [0, n) in chunks of at least kConvertChunk elements (below that,
+// starting a thread costs more than it saves), one chunk per thread.
+constexpr int64_t kConvertChunk = 1 << 16;
+template <class From, class To, class F>
+void convert_parallel(const From* src, To* dst, int64_t n, int num_threads, F convert) {
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(std::max(1, num_threads), n / kConvertChunk));
+  parallel_for(parts, int(parts), [&](int64_t c) {
+    const int64_t begin = n * c / parts, end = n * (c + 1) / parts;
+    convert(src + begin, dst + begin, end - begin);
+  });
+}
+}  // namespace
+
+void convert_half(const uint16_t* src, float* dst, int64_t n, int num_threads) {
+  convert_parallel(src, dst, n, num_threads > 0 ? num_threads : default_num_threads(), active_kernels().half_to_float);
+}
+
+void convert_half(const float* src, uint16_t* dst, int64_t n, int num_threads) {
+  convert_parallel(src, dst, n, num_threads > 0 ? num_threads : default_num_threads(), active_kernels().float_to_half);
+}
+
 double read_bandwidth_gbs(int num_threads, int64_t nbytes) {
   const int threads = std::max(1, num_threads);
   const int64_t n = std::max<int64_t>(nbytes, 4096);

@@ -182,6 +182,9 @@ struct KernelTable {
   // data[i * stride_l + j * stride_s]) into words_per_row = ceil(kv_len / 64) words each.
   void (*pack_mask)(const uint8_t* data, int64_t stride_l, int64_t stride_s, bool true_forbids, int64_t rows,
                     int64_t kv_len, uint64_t* out);
+  // n float16 bit patterns to float32 and back (round to nearest even), exactly as IEEE 754 says.
+  void (*half_to_float)(const uint16_t* src, float* dst, int64_t n);
+  void (*float_to_half)(const float* src, uint16_t* dst, int64_t n);
 };
 
 // Per-ISA tables (defined in kernels_<isa>.cpp).
@@ -272,6 +275,10 @@ void pack_weights(const T* w, int64_t w_stride, int64_t n, int64_t k, int64_t pa
 template <class T>
 void linear(const GemmArgs<T>& g, int num_threads);
 double read_bandwidth_gbs(int num_threads, int64_t nbytes);
+// float16 <-> float32 conversion of n elements with the active ISA's kernels, split across threads
+// (NumPy's astype converts float16 one element at a time: ~2-3 ms per million elements here).
+void convert_half(const uint16_t* src, float* dst, int64_t n, int num_threads);
+void convert_half(const float* src, uint16_t* dst, int64_t n, int num_threads);
 // GB/s of reading every byte of the buffers once with num_threads threads (best of 5).
 double read_buffers_gbs(const std::vector<std::pair<const void*, int64_t>>& buffers, int num_threads);
 

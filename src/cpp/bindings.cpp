@@ -666,6 +666,30 @@ PYBIND11_MODULE(_core, m) {
   m.def("_set_packed_mask_limit", &set_packed_mask_limit, py::arg("nbytes"),
         "Largest packed (bit) copy of a boolean mask a call makes; 0 makes the kernels read mask bytes "
         "(for tests). Returns the previous limit.");
+  m.def(
+      "_convert_half",
+      [](const py::array& src, const py::array& dst, int threads) {
+        const bool widen = src.dtype().is(py::dtype::of<uint16_t>()) && dst.dtype().is(py::dtype::of<float>());
+        const bool narrow = src.dtype().is(py::dtype::of<float>()) && dst.dtype().is(py::dtype::of<uint16_t>());
+        if (!widen && !narrow) throw py::type_error("_convert_half: expected uint16 -> float32 or float32 -> uint16 arrays");
+        if (!(src.flags() & py::array::c_style) || !(dst.flags() & py::array::c_style) || !dst.writeable())
+          throw py::value_error("_convert_half: src and dst must be C-contiguous, dst writeable");
+        if (src.size() != dst.size()) throw py::value_error("_convert_half: src and dst must have the same size");
+        const int64_t n = int64_t(src.size());
+        if (widen) {
+          const uint16_t* s = static_cast<const uint16_t*>(src.data());
+          float* d = static_cast<float*>(const_cast<void*>(dst.data()));
+          py::gil_scoped_release release;
+          convert_half(s, d, n, threads);
+        } else {
+          const float* s = static_cast<const float*>(src.data());
+          uint16_t* d = static_cast<uint16_t*>(const_cast<void*>(dst.data()));
+          py::gil_scoped_release release;
+          convert_half(s, d, n, threads);
+        }
+      },
+      py::arg("src"), py::arg("dst"), py::arg("num_threads") = 0,
+      "float16 bits (uint16) <-> float32, element by element as IEEE 754 rounds (to nearest even).");
   m.def("openmp_runtime", []() { return std::string(openmp_runtime()); });
   m.def("openmp_enabled", &openmp_enabled);
   m.def("compiler", &compiler_string);

@@ -76,6 +76,28 @@ inline float half_to_float(uint16_t h) {
   return bits_to_float(sign | ((exp + 127 - 15) << 23) | (man << 13));
 }
 
+// float32 to IEEE binary16 bits, rounded to nearest even as F16C's vcvtps2ph does: values from
+// 65520 up become inf; below 2^-14 the result is subnormal (or zero); a NaN stays NaN, quieted, with
+// the top bits of its payload.
+inline uint16_t float_to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return uint16_t(sign | 0x7e00u | ((ax >> 13) & 0x3ffu));
+  if (ax >= 0x477ff000u) return uint16_t(sign | 0x7c00u);
+  if (ax >= 0x38800000u) {  // a normal half: exponent rebiased (127 -> 15), 23 -> 10 mantissa bits
+    const uint32_t r = ax - 0x38000000u;
+    return uint16_t(sign | ((r + 0x0fffu + ((r >> 13) & 1u)) >> 13));
+  }
+  const uint32_t e = ax >> 23;  // a subnormal half (or zero): |f| * 2^24 rounded to an integer
+  if (e < 102) return uint16_t(sign);  // below 2^-25: rounds to zero
+  const uint32_t mant = (ax & 0x7fffffu) | 0x800000u, shift = 126 - e;  // 14 .. 24
+  uint32_t m = mant >> shift;
+  const uint32_t rem = mant & ((1u << shift) - 1), half = 1u << (shift - 1);
+  if (rem > half || (rem == half && (m & 1u))) ++m;
+  return uint16_t(sign | m);
+}
+
 // An additive mask value in log2 units (times c = log2 e). A finite value whose product overflows
 // (Hugging Face masks use finfo.min) becomes the dtype's lowest/max instead of -inf/+inf, or an
 // allowed key would turn into a forbidden one; infinite and NaN values pass through. The vector
@@ -203,6 +225,9 @@ struct Simd<float> {
   }
   // float16 (IEEE binary16) and bfloat16 bit patterns to float32, one vector.
   static reg load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static void store_f16(uint16_t* p, reg x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
   static reg load_bf16(const uint16_t* p) {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
@@ -397,6 +422,9 @@ struct Simd<float> {
     return add(_mm256_permute2f128_ps(h4[0], h4[1], 0x20), _mm256_permute2f128_ps(h4[0], h4[1], 0x31));
   }
   static reg load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static void store_f16(uint16_t* p, reg x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
   static reg load_bf16(const uint16_t* p) {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -516,6 +544,7 @@ struct Simd {
   static T hmax(reg x) { return x; }
   static void transpose(reg*) {}
   static reg load_f16(const uint16_t* p) { return T(half_to_float(*p)); }
+  static void store_f16(uint16_t* p, reg x) { *p = float_to_half(float(x)); }
   static reg load_bf16(const uint16_t* p) { return T(bf16_to_float(*p)); }
 };
 
