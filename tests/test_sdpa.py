@@ -22,6 +22,11 @@ from conftest import (
 import pyattn
 from pyattn import reference
 
+try:
+    import ml_dtypes
+except ImportError:  # the 16-bit cases skip
+    ml_dtypes = None
+
 sdpa = pyattn.scaled_dot_product_attention
 
 
@@ -681,3 +686,60 @@ def test_inputs_unchanged(isa, dtype, rng, mask_kind):
     sdpa(q, k, v, mask, is_causal=True, return_weights=True, num_threads=2)
     for parent, copy in zip(parents, copies):
         np.testing.assert_array_equal(parent, copy)
+
+
+@contextlib.contextmanager
+def kv_prefetch(mode):
+    """Forces the tiles' K/V prefetching on (1) or off (0); by default it depends on the cache sizes."""
+    previous = pyattn._core._set_kv_prefetch(mode)
+    try:
+        yield
+    finally:
+        pyattn._core._set_kv_prefetch(previous)
+
+
+@pytest.mark.parametrize(
+    "q_len, kv_len, options",
+    [
+        (40, 700, dict(is_causal="lower_right")),  # 3 key blocks, the last one short
+        (70, 520, dict(mask="bool")),  # a full 64-row tile and a 16-row one; holes and a padded end
+        (17, 300, dict(mask="float", gqa=True)),
+        (130, 130, dict(is_causal=True, layout="bshd")),
+        (9, 1030, dict(half=True)),
+        (20, 600, dict(half=True, mask="bool", is_causal="lower_right")),
+    ],
+)
+def test_kv_prefetch_changes_nothing(isa, rng, q_len, kv_len, options):
+    """Prefetching K/V rows (on when they outgrow the caches) is a hint only: every tile path, forced
+    on, gives the bits of the path without it, and the reference's values; forbidden keys' rows hold
+    NaN and Inf (the prefetches read them too)."""
+    dtype = np.float32
+    if options.get("half"):
+        if ml_dtypes is None:
+            pytest.skip("ml_dtypes is not installed")
+        dtype = ml_dtypes.bfloat16
+    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=4, kv_heads=2 if options.get("gqa") else 4, q_len=q_len,
+                       kv_len=kv_len, head_dim=24, value_dim=40, layout=options.get("layout", "bhsd"))
+    mask = None
+    if "mask" in options:
+        mask = random_mask(rng, (2, 1, q_len, kv_len), options["mask"], np.float32 if dtype == np.float32 else dtype)
+        mask[..., 0] = True if mask.dtype == np.bool_ else 0.0
+        forbidden = np.ones(kv_len, bool)
+        forbidden[kv_len // 2 :] = False
+        mask[..., ~forbidden] = False if mask.dtype == np.bool_ else -np.inf
+        k[..., ~forbidden, :] = np.nan
+        v[..., ~forbidden, :] = np.inf
+    kwargs = dict(is_causal=options.get("is_causal", False), enable_gqa=bool(options.get("gqa")))
+    with kv_prefetch(1):
+        on = pyattn.scaled_dot_product_attention(q, k, v, mask, **kwargs)
+    with kv_prefetch(0):
+        off = pyattn.scaled_dot_product_attention(q, k, v, mask, **kwargs)
+    np.testing.assert_array_equal(np.asarray(on, np.float64), np.asarray(off, np.float64))
+    assert np.isfinite(np.asarray(on, np.float64)).all()
+    clean_k, clean_v = (np.nan_to_num(np.asarray(x, np.float64), nan=0.0, posinf=0.0) for x in (k, v))
+    ref_mask = None if mask is None else (mask if mask.dtype == np.bool_ else np.asarray(mask, np.float64))
+    expected = reference.scaled_dot_product_attention(np.asarray(q, np.float64), clean_k, clean_v, ref_mask, **kwargs)
+    if dtype == np.float32:
+        assert_close(on, expected, np.float32)
+    else:
+        np.testing.assert_allclose(np.asarray(on, np.float64), expected, rtol=8e-3, atol=2e-5)

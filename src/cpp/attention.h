@@ -84,6 +84,9 @@ struct AttnArgs {
   const int64_t* kv_lens = nullptr;
   const int64_t* causal_offsets = nullptr;
   Storage kv_storage = Storage::same;
+  // Set by the driver when K and V will come from memory rather than from caches (see attention.cpp):
+  // the tiles then prefetch the rows they read next.
+  bool prefetch_kv = false;
 
   T* out_rows(int64_t bh) const { return out + (bh / num_heads) * out_stride_b + (bh % num_heads) * out_stride_h; }
   int64_t kv_len_of(int64_t bh) const { return kv_lens ? kv_lens[bh / num_heads] : kv_len; }
@@ -212,6 +215,8 @@ int available_isas(const char** names, int capacity);
 // Forces an ISA by name; returns false (and leaves the current choice) if unknown or unsupported.
 bool set_isa(const char* name);
 bool cpu_supports(const char* name);
+// Bytes of the level-1, -2 or -3 data cache one core uses (CPUID), 0 where the CPU does not say.
+int64_t cache_bytes(int level);
 bool isa_compiled(const char* name);
 
 // attention.cpp: the driver (owns the only OpenMP parallel region).
@@ -231,6 +236,9 @@ void set_default_num_threads(int n);  // 0 = unset (OpenMP default)
 // Largest packed copy of a boolean mask the driver makes, in bytes (tests set 0 to force the kernels
 // to read mask bytes); returns the previous value.
 int64_t set_packed_mask_limit(int64_t bytes);
+// Whether the tiles prefetch K/V rows (AttnArgs::prefetch_kv): -1 decided per call from the cache
+// sizes, 0 never, 1 always (tests); returns the previous mode.
+int set_kv_prefetch(int mode);
 bool openmp_enabled();
 const char* openmp_runtime();
 double fma_peak_gflops(int num_threads, double seconds);

@@ -663,6 +663,9 @@ PYBIND11_MODULE(_core, m) {
     set_default_num_threads(n);
   });
   m.def("get_num_threads", &default_num_threads);
+  m.def("_set_kv_prefetch", &set_kv_prefetch, py::arg("mode"),
+        "Tiles prefetch K/V rows: -1 when K/V outgrow the caches (default), 0 never, 1 always (for tests). "
+        "Returns the previous mode.");
   m.def("_set_packed_mask_limit", &set_packed_mask_limit, py::arg("nbytes"),
         "Largest packed (bit) copy of a boolean mask a call makes; 0 makes the kernels read mask bytes "
         "(for tests). Returns the previous limit.");

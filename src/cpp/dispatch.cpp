@@ -127,6 +127,46 @@ bool cpu_supports(const char* name) {
 
 bool isa_compiled(const char* name) { return find(name) != nullptr; }
 
+namespace {
+// Sizes of the data/unified caches per level from CPUID's deterministic cache parameters: leaf 4
+// (Intel) or, where it reports nothing, 0x8000001D (AMD). Both give ways x partitions x line size x
+// sets per cache (the size one core's data can use: an L3 shared by a core complex counts once).
+struct CacheSizes {
+  int64_t level[4] = {0, 0, 0, 0};
+};
+
+CacheSizes probe_caches() {
+  CacheSizes c;
+#if defined(PYATTN_X86)
+  unsigned r[4];
+  cpuid(0, 0, r);
+  const unsigned max_leaf = r[0];
+  cpuid(0x80000000u, 0, r);
+  const unsigned max_ext = r[0];
+  for (const unsigned leaf : {4u, 0x8000001Du}) {
+    if (leaf == 4u ? max_leaf < 4 : max_ext < leaf) continue;
+    bool any = false;
+    for (unsigned sub = 0; sub < 16; ++sub) {
+      cpuid(leaf, sub, r);
+      const unsigned type = r[0] & 31, lvl = (r[0] >> 5) & 7;
+      if (type == 0) break;
+      any = true;
+      if (type == 2 || lvl < 1 || lvl > 3) continue;  // instruction caches
+      const int64_t size = int64_t((r[1] >> 22) + 1) * (((r[1] >> 12) & 0x3ff) + 1) * ((r[1] & 0xfff) + 1) * (int64_t(r[2]) + 1);
+      if (size > c.level[lvl]) c.level[lvl] = size;
+    }
+    if (any) break;
+  }
+#endif
+  return c;
+}
+}  // namespace
+
+int64_t cache_bytes(int level) {
+  static const CacheSizes sizes = probe_caches();
+  return level >= 1 && level <= 3 ? sizes.level[level] : 0;
+}
+
 const KernelTable& active_kernels() {
   const KernelTable* t = g_active.load(std::memory_order_acquire);
   if (!t) {
