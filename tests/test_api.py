@@ -323,6 +323,11 @@ def test_runtime_info_keys():
     assert list(info["available_isas"]) == list(pyattn.available_isas())
     assert info["version"] == pyattn.__version__
     assert isinstance(info["num_threads"], int) and info["num_threads"] >= 1
+    # CPUID's cache sizes: 0 (unknown) or a plausible size, L3 (where there is one) not below L2.
+    l2, l3 = info["l2_cache_bytes"], info["l3_cache_bytes"]
+    assert l2 == 0 or 64 * 1024 <= l2 <= 64 * 1024 * 1024
+    assert l3 == 0 or l3 >= l2
+    assert pyattn._core.cache_bytes(0) == pyattn._core.cache_bytes(4) == 0
 
 
 def test_show_config_prints(capsys):

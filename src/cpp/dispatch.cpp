@@ -38,6 +38,13 @@ void cpuid(unsigned leaf, unsigned sub, unsigned regs[4]) {
 #endif
 }
 
+// The highest leaf of a CPUID range (0 for the basic leaves, 0x80000000 for the extended ones).
+unsigned cpuid_max(unsigned range) {
+  unsigned r[4];
+  cpuid(range, 0, r);
+  return r[0];
+}
+
 unsigned long long xgetbv0() {
 #if defined(_MSC_VER)
   return _xgetbv(0);
@@ -52,10 +59,8 @@ unsigned long long xgetbv0() {
 CpuFeatures probe() {
   CpuFeatures f;
 #if defined(PYATTN_X86)
+  if (cpuid_max(0) < 7) return f;
   unsigned r[4];
-  cpuid(0, 0, r);
-  const unsigned max_leaf = r[0];
-  if (max_leaf < 7) return f;
   cpuid(1, 0, r);
   const bool fma = (r[2] >> 12) & 1, osxsave = (r[2] >> 27) & 1, avx = (r[2] >> 28) & 1, f16c = (r[2] >> 29) & 1;
   if (!osxsave || !avx) return f;
@@ -139,12 +144,8 @@ CacheSizes probe_caches() {
   CacheSizes c;
 #if defined(PYATTN_X86)
   unsigned r[4];
-  cpuid(0, 0, r);
-  const unsigned max_leaf = r[0];
-  cpuid(0x80000000u, 0, r);
-  const unsigned max_ext = r[0];
   for (const unsigned leaf : {4u, 0x8000001Du}) {
-    if (leaf == 4u ? max_leaf < 4 : max_ext < leaf) continue;
+    if (cpuid_max(leaf & 0x80000000u) < leaf) continue;
     bool any = false;
     for (unsigned sub = 0; sub < 16; ++sub) {
       cpuid(leaf, sub, r);

@@ -71,7 +71,8 @@ def get_isa():
 
 def runtime_info():
     """Version, kernel ISA, available ISAs, thread count, OpenMP runtime, compiler and per-ISA
-    compiler flags, as a dict."""
+    compiler flags, and the L2 / last-level cache sizes the kernels plan with (bytes, CPUID; 0 =
+    unknown), as a dict."""
     return {
         "version": __version__,
         "isa": get_isa(),
@@ -80,6 +81,8 @@ def runtime_info():
         "openmp": _core.openmp_runtime(),
         "compiler": _core.compiler(),
         "flags": _core.isa_flags(),
+        "l2_cache_bytes": int(_core.cache_bytes(2)),
+        "l3_cache_bytes": int(_core.cache_bytes(3)),
     }
 
 
