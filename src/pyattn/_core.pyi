@@ -12,6 +12,8 @@ import numpy as np
 import numpy.typing as npt
 
 __version__: str
+# Longest query (rows per head) the driver gives the decode kernel (kDecodeMaxLen, attention.h).
+DECODE_MAX_Q_LEN: int
 
 # (name, mask array, per-(batch, head) int64 offsets, stride_l, stride_s, true_forbids)
 _MaskEntry = Tuple[str, np.ndarray, npt.NDArray[np.int64], int, int, bool]
@@ -99,6 +101,17 @@ def _set_isa(name: str) -> None:
 def _set_packed_mask_limit(nbytes: int) -> int:
     """Largest packed (bit) copy of a boolean mask a call makes (default 8 MiB); 0 makes the kernels
     read the mask bytes themselves (for tests). Returns the previous limit."""
+
+def _set_kv_prefetch(mode: int) -> int:
+    """Whether the tiles prefetch K/V rows: -1 when K/V outgrow the caches (default), 0 never, 1 always
+    (for tests). Returns the previous mode."""
+
+def _convert_half(src: np.ndarray, dst: np.ndarray, num_threads: int = 0) -> None:
+    """float16 bit patterns (uint16) to float32 or float32 to float16 bits, C-contiguous arrays of the
+    same size, rounding to nearest even like NumPy's astype; TypeError/ValueError otherwise."""
+
+def cache_bytes(level: int) -> int:
+    """Bytes of this CPU's level 1-3 data cache per core, from CPUID (0 where it does not say)."""
 
 def set_num_threads(n: int) -> None:
     """Default thread count; 0 restores OpenMP's default. ValueError when negative."""
