@@ -406,7 +406,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             args.cases = [parse_case(text) for text in args.cases.split(",") if text.strip()]
         except ValueError:
             parser.error(f"--cases: expected BxHKVxS items like 1x8x64k, got {args.cases!r}")
-    shortest = min(c.kv_len for c in (args.cases or (QUICK if args.quick else SUITE)))
+    args.cases = args.cases or list(QUICK if args.quick else SUITE)
+    shortest = min(c.kv_len for c in args.cases)
     if not 1 <= args.new_tokens <= shortest:
         parser.error(f"--new-tokens: expected 1 .. {shortest} (the shortest cache length), got {args.new_tokens}")
     return args
@@ -485,7 +486,7 @@ def main(argv=None) -> int:
         except ImportError:
             print("note: ml_dtypes is not installed; skipping the bfloat16 cache", file=sys.stderr)
             args.dtypes.remove("bfloat16")
-    cases = args.cases or (QUICK if args.quick else SUITE)
+    cases = args.cases
 
     busy = wait_for_idle(args.wait_idle)
     bandwidth, bandwidth_bg = measure_bandwidth(pyattn, args)

@@ -175,13 +175,19 @@ def test_masked_block_edges(isa, dtype, rng, q_len, kv_len, pattern):
 
 
 @contextlib.contextmanager
-def masks_read_as_bytes():
-    """Makes the kernels read boolean masks as bytes: no call packs a bit copy (see attention.cpp)."""
-    previous = pyattn._core._set_packed_mask_limit(0)
+def core_setting(setter, value):
+    """Runs the body with one of the core's test switches (a _core._set_* function returning the
+    previous value) set to value, and restores it."""
+    previous = setter(value)
     try:
         yield
     finally:
-        pyattn._core._set_packed_mask_limit(previous)
+        setter(previous)
+
+
+def masks_read_as_bytes():
+    """Makes the kernels read boolean masks as bytes: no call packs a bit copy (see attention.cpp)."""
+    return core_setting(pyattn._core._set_packed_mask_limit, 0)
 
 
 @pytest.fixture
@@ -688,14 +694,9 @@ def test_inputs_unchanged(isa, dtype, rng, mask_kind):
         np.testing.assert_array_equal(parent, copy)
 
 
-@contextlib.contextmanager
 def kv_prefetch(mode):
     """Forces the tiles' K/V prefetching on (1) or off (0); by default it depends on the cache sizes."""
-    previous = pyattn._core._set_kv_prefetch(mode)
-    try:
-        yield
-    finally:
-        pyattn._core._set_kv_prefetch(previous)
+    return core_setting(pyattn._core._set_kv_prefetch, mode)
 
 
 @pytest.mark.parametrize(

@@ -345,8 +345,7 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
   // 1540 -> 1310; with K/V held in L3 the prefetches cost 16-row tiles ~9%, and with a head's K/V
   // in L2 5%, hence both conditions (sizes from CPUID; unknown sizes: no prefetching).
   {
-    const int64_t item = a.kv_storage == Storage::same ? int64_t(sizeof(T)) : 2;
-    const int64_t head_kv = a.kv_len * (a.head_dim + a.value_dim) * item;
+    const int64_t head_kv = a.kv_len * (a.head_dim + a.value_dim) * a.kv_item_bytes();
     const int64_t l2 = cache_bytes(2), llc = std::max(cache_bytes(3), l2);
     const int mode = g_kv_prefetch.load(std::memory_order_relaxed);
     a.prefetch_kv = mode < 0 ? l2 > 0 && head_kv > l2 && head_kv >= llc / std::max<int64_t>(1, a.batch_heads / a.group)
@@ -405,9 +404,10 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
       ks.attend(a, t, tile_rows(t), s);
       return;
     }
-    ks.attend(a, t, tile_rows(t), s);
-    ks.finalize(s.state, tile_rows(t), t.rows, a.value_dim, a.out_rows(t.bh) + t.i0 * a.out_stride_l, a.out_stride_l);
-    if (a.weights) ks.write_weights(a, t, tile_rows(t), s);
+    const int64_t bm = tile_rows(t);
+    ks.attend(a, t, bm, s);
+    ks.finalize(s.state, bm, t.rows, a.value_dim, a.out_rows(t.bh) + t.i0 * a.out_stride_l, a.out_stride_l);
+    if (a.weights) ks.write_weights(a, t, bm, s);
   });
 
   if (split.count > 1) {

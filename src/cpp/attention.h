@@ -91,6 +91,8 @@ struct AttnArgs {
   T* out_rows(int64_t bh) const { return out + (bh / num_heads) * out_stride_b + (bh % num_heads) * out_stride_h; }
   int64_t kv_len_of(int64_t bh) const { return kv_lens ? kv_lens[bh / num_heads] : kv_len; }
   int64_t causal_offset_of(int64_t bh) const { return causal_offsets ? causal_offsets[bh / num_heads] : causal_offset; }
+  // Bytes of one stored K/V element.
+  int64_t kv_item_bytes() const { return kv_storage == Storage::same ? int64_t(sizeof(T)) : 2; }
 };
 
 // Decode work item: the query rows of one key/value head (all query heads of its group times the

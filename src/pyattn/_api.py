@@ -243,16 +243,16 @@ def scaled_dot_product_attention(
     dtype = q.dtype
     out_ndim = max(q.ndim, k.ndim, v.ndim)
     kv_storage = 0
+    threads = _threads_value(num_threads)
     if _is_half(dtype):
         # Computed in float32. The kernels read 16-bit K/V directly, converting one key block at a
         # time; only return_weights (a rare, O(L*S) mode) works on float32 copies of K and V.
-        conversion_threads = _threads_value(num_threads)
-        q = _to_float32(q, conversion_threads)
+        q = _to_float32(q, threads)
         if not return_weights:
             kv_storage = _HALF_STORAGE[dtype.name]
             k, v = _kernel_layout(k).view(np.uint16), _kernel_layout(v).view(np.uint16)
         else:
-            k, v = _to_float32(k, conversion_threads), _to_float32(v, conversion_threads)
+            k, v = _to_float32(k, threads), _to_float32(v, threads)
     q, k, v = (_as_heads(_kernel_layout(x, name=n)) for x, n in ((q, "query"), (k, "key"), (v, "value")))
 
     num_q_heads, q_len, head_dim = q.shape[-3:]
@@ -284,7 +284,6 @@ def scaled_dot_product_attention(
 
     causal = _causal_value(is_causal)
     scale_value = _scale_value(scale, head_dim)
-    threads = _threads_value(num_threads)
 
     mask = None
     if attn_mask is not None:
