@@ -112,6 +112,7 @@ SUITE = (
     Case(1, 1, 16, 16, 64),  # per-call overhead: almost no arithmetic, so the time is the call itself
     Case(1, 12, 128, 128, 64),
     Case(8, 12, 128, 128, 64),
+    Case(32, 12, 128, 128, 64),  # a batch whose arrays (50 MB) outgrow the last-level cache
     Case(1, 12, 512, 512, 64),
     Case(4, 12, 512, 512, 64),
     Case(1, 16, 1024, 1024, 64),

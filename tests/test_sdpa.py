@@ -694,9 +694,10 @@ def test_inputs_unchanged(isa, dtype, rng, mask_kind):
         np.testing.assert_array_equal(parent, copy)
 
 
-def kv_prefetch(mode):
-    """Forces the tiles' K/V prefetching on (1) or off (0); by default it depends on the cache sizes."""
-    return core_setting(pyattn._core._set_kv_prefetch, mode)
+def prefetch(mode):
+    """Forces the tiles' prefetching: 0 none, 1 the next key block's K/V rows, 2 the next work item's
+    rows; by default it depends on the cache sizes."""
+    return core_setting(pyattn._core._set_prefetch, mode)
 
 
 @pytest.mark.parametrize(
@@ -708,12 +709,16 @@ def kv_prefetch(mode):
         (130, 130, dict(is_causal=True, layout="bshd")),
         (9, 1030, dict(half=True)),
         (20, 600, dict(half=True, mask="bool", is_causal="lower_right")),
+        (200, 90, dict(is_causal=True, threads=3)),
+        (64, 64, dict(threads=1, layout="bshd")),
     ],
 )
-def test_kv_prefetch_changes_nothing(isa, rng, q_len, kv_len, options):
-    """Prefetching K/V rows (on when they outgrow the caches) is a hint only: every tile path, forced
-    on, gives the bits of the path without it, and the reference's values; forbidden keys' rows hold
-    NaN and Inf (the prefetches read them too)."""
+@pytest.mark.parametrize("mode", [1, 2])
+def test_prefetch_changes_nothing(isa, rng, q_len, kv_len, options, mode):
+    """Prefetching (on when the arrays outgrow the caches: mode 1 K/V rows of a long head's next key
+    block, mode 2 the rows of a thread's next work item) is a hint only: every tile path, forced on,
+    gives the bits of the path without it, and the reference's values; forbidden keys' rows hold NaN
+    and Inf (the prefetches read them too)."""
     dtype = np.float32
     if options.get("half"):
         if ml_dtypes is None:
@@ -731,10 +736,11 @@ def test_kv_prefetch_changes_nothing(isa, rng, q_len, kv_len, options):
         k[..., ~forbidden, :] = np.nan
         v[..., ~forbidden, :] = np.inf
     kwargs = dict(is_causal=options.get("is_causal", False), enable_gqa=bool(options.get("gqa")))
-    with kv_prefetch(1):
-        on = pyattn.scaled_dot_product_attention(q, k, v, mask, **kwargs)
-    with kv_prefetch(0):
-        off = pyattn.scaled_dot_product_attention(q, k, v, mask, **kwargs)
+    threads = options.get("threads", 2)
+    with prefetch(mode):
+        on = pyattn.scaled_dot_product_attention(q, k, v, mask, num_threads=threads, **kwargs)
+    with prefetch(0):
+        off = pyattn.scaled_dot_product_attention(q, k, v, mask, num_threads=threads, **kwargs)
     np.testing.assert_array_equal(np.asarray(on, np.float64), np.asarray(off, np.float64))
     assert np.isfinite(np.asarray(on, np.float64)).all()
     clean_k, clean_v = (np.nan_to_num(np.asarray(x, np.float64), nan=0.0, posinf=0.0) for x in (k, v))

@@ -8,6 +8,9 @@
 #include <cstdint>
 #include <utility>
 #include <vector>
+#if defined(_MSC_VER) && !defined(__clang__)
+#include <intrin.h>  // _mm_prefetch
+#endif
 
 namespace pyattn {
 
@@ -117,6 +120,64 @@ struct RowState {
   T* l;    // [block_rows] running sum of exp2(score - m)
 };
 
+// Prefetches the cache line at p into L2. An asm statement on x86 with GCC/Clang: GCC 12 deleted the
+// __builtin_prefetch / _mm_prefetch calls from the optimised tile kernels (none left in the object
+// code).
+inline void prefetch_l2(const void* p) {
+#if defined(_MSC_VER) && !defined(__clang__)
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
+#elif defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
+// The rows a thread's next work item reads and writes (its query rows, key rows, value rows and
+// output rows), prefetched into L2 a few lines at a time while the thread's current item runs: the
+// score tiles call advance() once per step of keys (see attention.cpp for when the driver asks).
+struct ItemPrefetch {
+  struct Rows {
+    const char* base = nullptr;
+    int64_t rows = 0, stride = 0, lines = 0;  // stride in bytes; lines (64 bytes) per row
+  };
+  static constexpr int kParts = 4;
+  Rows part[kParts];
+  int64_t lines_per_key = 0;  // lines issued per key of the current item, so all are out early in it
+  int at = kParts;            // the part being prefetched (kParts: all issued)
+  int64_t row = 0, line = 0;
+  void start(int64_t current_keys) {
+    int64_t total = 0;
+    for (const Rows& r : part) total += r.rows * r.lines;
+    // Spread evenly over the current item's keys (B = 64 x 12 heads x 64 x 64, one thread: 66 -> 83
+    // GFLOP/s); issued within the first half or quarter of them, 81 and 75; all at the item's start,
+    // 68: the core stalls once the misses in flight fill its queues.
+    lines_per_key = current_keys > 0 ? (total + current_keys - 1) / current_keys : total;
+    if (lines_per_key < 1) lines_per_key = 1;
+    at = 0;
+    row = line = 0;
+  }
+  // Issues the lines of `keys` keys' worth.
+  void advance(int64_t keys) { issue(keys * lines_per_key); }
+  void issue(int64_t n) {
+    while (n > 0 && at < kParts) {
+      const Rows& r = part[at];
+      if (row >= r.rows) {
+        ++at;
+        row = line = 0;
+        continue;
+      }
+      prefetch_l2(r.base + row * r.stride + line * 64);
+      --n;
+      if (++line == r.lines) {
+        line = 0;
+        ++row;
+      }
+    }
+  }
+  void finish() { issue(INT64_MAX); }
+};
+
 // Per-thread working memory of one kernel invocation; sizes come from KernelSet::scratch_elems.
 template <class T>
 struct Scratch {
@@ -124,6 +185,7 @@ struct Scratch {
   T* st;      // [key_block * block_rows]     scores, then probabilities, transposed
   RowState<T> state;
   T* kv = nullptr;  // [key_block * (head_dim + value_dim)] one K and one V block converted from 16 bits
+  ItemPrefetch* next_item = nullptr;  // what to prefetch for the thread's next item, or null
 };
 
 // Work item: query rows [i0, i0 + rows) of head bh against keys [j_begin, j_end).
@@ -238,9 +300,10 @@ void set_default_num_threads(int n);  // 0 = unset (OpenMP default)
 // Largest packed copy of a boolean mask the driver makes, in bytes (tests set 0 to force the kernels
 // to read mask bytes); returns the previous value.
 int64_t set_packed_mask_limit(int64_t bytes);
-// Whether the tiles prefetch K/V rows (AttnArgs::prefetch_kv): -1 decided per call from the cache
-// sizes, 0 never, 1 always (tests); returns the previous mode.
-int set_kv_prefetch(int mode);
+// Whether the tiles prefetch: -1 decided per call from the cache sizes (attention.cpp), 0 never,
+// 1 always the next key block's K/V rows (AttnArgs::prefetch_kv), 2 always the next work item's
+// rows (Scratch::next_item); tests force each. Returns the previous mode.
+int set_prefetch(int mode);
 bool openmp_enabled();
 const char* openmp_runtime();
 double fma_peak_gflops(int num_threads, double seconds);

@@ -663,8 +663,9 @@ PYBIND11_MODULE(_core, m) {
     set_default_num_threads(n);
   });
   m.def("get_num_threads", &default_num_threads);
-  m.def("_set_kv_prefetch", &set_kv_prefetch, py::arg("mode"),
-        "Tiles prefetch K/V rows: -1 when K/V outgrow the caches (default), 0 never, 1 always (for tests). "
+  m.def("_set_prefetch", &set_prefetch, py::arg("mode"),
+        "What the query tiles prefetch: -1 decided per call from the cache sizes (default), 0 nothing, "
+        "1 always the next key block's K/V rows, 2 always the next work item's rows (for tests). "
         "Returns the previous mode.");
   m.def("_set_packed_mask_limit", &set_packed_mask_limit, py::arg("nbytes"),
         "Largest packed (bit) copy of a boolean mask a call makes; 0 makes the kernels read mask bytes "

@@ -102,9 +102,10 @@ def _set_packed_mask_limit(nbytes: int) -> int:
     """Largest packed (bit) copy of a boolean mask a call makes (default 8 MiB); 0 makes the kernels
     read the mask bytes themselves (for tests). Returns the previous limit."""
 
-def _set_kv_prefetch(mode: int) -> int:
-    """Whether the tiles prefetch K/V rows: -1 when K/V outgrow the caches (default), 0 never, 1 always
-    (for tests). Returns the previous mode."""
+def _set_prefetch(mode: int) -> int:
+    """What the query tiles prefetch: -1 decided per call from the cache sizes (default), 0 nothing,
+    1 always the next key block's K/V rows, 2 always the next work item's rows (for tests). Returns
+    the previous mode."""
 
 def _convert_half(src: np.ndarray, dst: np.ndarray, num_threads: int = 0) -> None:
     """float16 bit patterns (uint16) to float32 or float32 to float16 bits, C-contiguous arrays of the
