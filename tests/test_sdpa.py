@@ -186,7 +186,8 @@ def core_setting(setter, value):
 
 
 def masks_read_as_bytes():
-    """Makes the kernels read boolean masks as bytes: no call packs a bit copy (see attention.cpp)."""
+    """Makes the kernels read masks as they are (boolean bytes, floats): no call packs a bit copy (see
+    attention.cpp)."""
     return core_setting(pyattn._core._set_packed_mask_limit, 0)
 
 
@@ -231,6 +232,69 @@ def test_bool_mask_bytes_and_bits_agree(isa, dtype, rng, q_len, kv_len, layout, 
         np.testing.assert_array_equal(packed[1], from_bytes[1])
         packed, from_bytes = packed[0], from_bytes[0]
     np.testing.assert_array_equal(packed, from_bytes)
+
+
+def _float_mask_cases(rng, dtype, q_len, kv_len):
+    """Float masks of every layout the bit packing distinguishes, for (2, 3, q_len, kv_len) inputs:
+    mostly 0 and -inf (causal- and padding-shaped, with holes), with finite values to add in some key
+    ranges only, so that packed blocks with and without values to add both occur."""
+    causal = np.where(np.tril(np.ones((q_len, kv_len), bool), kv_len - q_len), 0.0, -np.inf)
+    holes = np.where(rng.random((2, 3, q_len, kv_len)) < 0.8, 0.0, -np.inf)
+    holes[..., 0] = 0.0
+    holes[..., kv_len // 2 : kv_len // 2 + 40] += rng.standard_normal((2, 3, q_len, min(40, kv_len - kv_len // 2)))
+    holes[..., 1, :] = -np.inf  # a row with nothing allowed
+    padded = np.zeros((2, 1, 1, kv_len))
+    padded[0, ..., kv_len // 3 :] = -np.inf
+    padded[1, ..., : kv_len // 5] = -np.inf
+    padded[1, ..., -3:] = 1.5
+    cases = {
+        "causal_2d": causal,
+        "per_batch": holes[:, :1],
+        "per_head": holes,
+        "shared_rows": padded,
+        "shared_keys": holes[:1, :, :, 3:4],
+        "transposed": np.ascontiguousarray(holes[0, 0].T).T,
+        "reversed": np.ascontiguousarray(holes[0, 0, ::-1, ::-1])[::-1, ::-1],
+    }
+    return {name: m.astype(dtype) for name, m in cases.items()}
+
+
+@pytest.mark.parametrize("q_len, kv_len", [(9, 70), (130, 700)])
+@pytest.mark.parametrize(
+    "layout", ["causal_2d", "per_batch", "per_head", "shared_rows", "shared_keys", "transposed", "reversed"]
+)
+@pytest.mark.parametrize("options", [{}, {"is_causal": "lower_right"}, {"return_weights": True}], ids=str)
+def test_float_mask_floats_and_bits_agree(isa, dtype, rng, q_len, kv_len, layout, options):
+    # The driver packs float masks to two bits per element (not -inf; a value to add) when the copy
+    # fits its budget, and the kernels read the floats otherwise: both give bit-identical results,
+    # and match the reference.
+    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=3, q_len=q_len, kv_len=kv_len, head_dim=16)
+    mask = _float_mask_cases(rng, dtype, q_len, kv_len)[layout]
+    packed = check_against_reference(q, k, v, mask, **options)
+    with masks_read_as_bytes():
+        from_floats = sdpa(q, k, v, mask, **options)
+    if options.get("return_weights"):
+        np.testing.assert_array_equal(packed[1], from_floats[1])
+        packed, from_floats = packed[0], from_floats[0]
+    np.testing.assert_array_equal(packed, from_floats)
+
+
+@pytest.mark.parametrize("column", [130, 297])  # in a whole vector of the row / in its tail
+@pytest.mark.parametrize("transposed", [False, True])  # key stride 1 / q_len (element by element)
+def test_float_mask_nan_packed_like_floats(isa, rng, column, transposed):
+    # A NaN in a float mask is a value to add (the row becomes NaN) in the packed path as in the
+    # float path.
+    q, k, v = make_qkv(rng, np.float32, batch=(2,), q_heads=3, q_len=70, kv_len=300, head_dim=16)
+    mask = np.zeros((70, 300), np.float32)
+    mask[:, 200:280] = -np.inf
+    mask[5, column] = np.nan
+    if transposed:
+        mask = np.ascontiguousarray(mask.T).T
+    packed = sdpa(q, k, v, mask)
+    with masks_read_as_bytes():
+        from_floats = sdpa(q, k, v, mask)
+    np.testing.assert_array_equal(packed, from_floats)
+    assert np.isnan(packed[:, :, 5]).all() and np.isfinite(np.delete(packed, 5, axis=2)).all()
 
 
 @pytest.mark.parametrize("q_len, kv_len", [(17, 130), (300, 700)])

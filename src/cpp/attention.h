@@ -31,11 +31,14 @@ struct MaskSlot {
   const int64_t* offset = nullptr;  // [batch_heads]
   int64_t stride_l = 0;
   int64_t stride_s = 0;
-  // A boolean mask as bits, 1 = may attend (true_forbids applied), filled by the driver for the
+  // A mask as bits, 1 = may attend (boolean: true_forbids applied), filled by the driver for the
   // tile kernels when the bits fit its budget (else null): key j of row i of head bh is bit j % 64
   // of bits[bits_offset[bh] + i * bits_stride_l + j / 64]; rows are bits_words words long (bits
   // past kv_len are 0) and bits_stride_l is 0 when every query row shares one mask row.
+  // An additive mask packed so has bits set where its value is not -inf, and value_bits (same layout)
+  // where that value is not 0 either: a key block whose value bits are all 0 never reads the floats.
   const uint64_t* bits = nullptr;
+  const uint64_t* value_bits = nullptr;
   const int64_t* bits_offset = nullptr;  // [batch_heads]
   int64_t bits_stride_l = 0;
   int64_t bits_words = 0;
@@ -236,6 +239,11 @@ struct KernelSet {
   int gemm_panel;   // output columns per packed weight panel
   // C rows [row_begin, row_end) x columns of panel p.
   void (*gemm)(const GemmArgs<T>& g, int64_t row_begin, int64_t row_end, int64_t p);
+  // Additive mask rows to MaskSlot::bits (not -inf) and MaskSlot::value_bits (a value to add): `rows`
+  // rows of kv_len values (element (i, j) at data[i * stride_l + j * stride_s]) into
+  // ceil(kv_len / 64) words per row each.
+  void (*pack_additive)(const T* data, int64_t stride_l, int64_t stride_s, int64_t rows, int64_t kv_len, uint64_t* bits,
+                        uint64_t* value_bits);
 };
 
 struct KernelTable {
