@@ -78,6 +78,40 @@ def test_errors():
     read_only.flags.writeable = False
     with pytest.raises(ValueError, match="writeable"):
         _core._convert_half(a16, read_only)
+    with pytest.raises(ValueError, match="aligned"):
+        _core._convert_half(misaligned(8, np.uint16), a32)
+    with pytest.raises(ValueError, match="aligned"):
+        _core._convert_half(a32, misaligned(8, np.uint16))
+    _core._convert_half(misaligned(0, np.uint16), np.zeros(0, np.float32))  # nothing to read: accepted
+
+
+def misaligned(shape, dtype):
+    """A C-contiguous array of zeros whose data starts one byte past an element boundary."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape))
+    raw = np.zeros(count * dtype.itemsize + 1, np.uint8)[1:]
+    x = raw.view(dtype).reshape(shape)
+    assert x.flags.c_contiguous and (count == 0 or not x.flags.aligned)  # NumPy calls empty arrays aligned
+    return x
+
+
+def test_sdpa_float16_misaligned(rng):
+    """float16 queries, keys, values, masks and out= at odd addresses (which the core's conversion
+    refuses) give the bits of aligned ones: UBSan found the query's conversion reading them in place."""
+    arrays = [rng.standard_normal((2, 3, 37, 16)).astype(np.float16) for _ in range(3)]
+    mask = (rng.standard_normal((37, 37)) * 3).astype(np.float16)
+    expected = pyattn.scaled_dot_product_attention(*arrays, mask)
+    moved = []
+    for x in arrays + [mask]:
+        m = misaligned(x.shape, np.float16)
+        m[...] = x
+        moved.append(m)
+    out = misaligned(expected.shape, np.float16)
+    got = pyattn.scaled_dot_product_attention(*moved[:3], moved[3], out=out)
+    assert got is out
+    np.testing.assert_array_equal(out.view(np.uint16), expected.view(np.uint16))
+    for x, m in zip(arrays + [mask], moved):
+        np.testing.assert_array_equal(m.view(np.uint16), x.view(np.uint16))  # inputs untouched
 
 
 def test_sdpa_float16_paths_agree(rng):

@@ -372,7 +372,7 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
   // tile converting its bytes or floats (a 4096 x 4096 boolean mask broadcast over 8 heads: 16 MiB of
   // bytes read by every head's tiles from L3 or memory, ~8% of a masked tile's time; 2 MiB of bits
   // once packed). A float mask of 0 and -inf (a causal or padding pattern) then costs what a boolean
-  // one does: 1x16x2048x64 with a float causal mask 56.9 -> 47.6 ms (is_causal=True: 45.9).
+  // one does: 1x16x2048x64 with a float causal mask 56.9 -> 47.0 ms (boolean 46.3, is_causal 45.4).
   AttnArgs<T> a = in;
   PackedMask packed[2];
   for (int x = 0; x < 2; ++x)
@@ -460,7 +460,7 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
     return t;
   };
   // The rows item n reads and writes (a split item writes a partial state, not output rows).
-  auto set_prefetch = [&](ItemPrefetch& p, int64_t n) {
+  auto plan_prefetch = [&](ItemPrefetch& p, int64_t n) {
     const Tile t = item_tile(n);
     const int64_t item = a.kv_item_bytes(), keys = t.j_end - t.j_begin;
     auto lines = [](int64_t bytes) { return (bytes + 63) / 64; };
@@ -481,7 +481,7 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
     const Tile t = item_tile(n);
     if (prefetch_items && next >= 0) {
       s.next_item = &next_items[size_t(thread_id())];
-      set_prefetch(*s.next_item, next);
+      plan_prefetch(*s.next_item, next);
       s.next_item->start(t.j_end - t.j_begin);
     }
     const int64_t bm = tile_rows(t);

@@ -679,7 +679,12 @@ PYBIND11_MODULE(_core, m) {
         if (!(src.flags() & py::array::c_style) || !(dst.flags() & py::array::c_style) || !dst.writeable())
           throw py::value_error("_convert_half: src and dst must be C-contiguous, dst writeable");
         if (src.size() != dst.size()) throw py::value_error("_convert_half: src and dst must have the same size");
+        // The scalar tails read and write whole elements: a float16 view at an odd address would be a
+        // misaligned access (undefined behaviour; UBSan stops there).
+        auto aligned = [](const py::array& x) { return reinterpret_cast<uintptr_t>(x.data()) % size_t(x.itemsize()) == 0; };
         const int64_t n = int64_t(src.size());
+        if (n > 0 && (!aligned(src) || !aligned(dst)))  // NumPy calls an empty array aligned wherever it points
+          throw py::value_error("_convert_half: src and dst must be aligned to their element size");
         if (widen) {
           const uint16_t* s = static_cast<const uint16_t*>(src.data());
           float* d = static_cast<float*>(const_cast<void*>(dst.data()));
