@@ -78,7 +78,11 @@ print('pyattn', pyattn.__version__, 'isa', pyattn.get_isa(), 'under', '$sanitize
 "
 
 status=0
-LD_PRELOAD="$preload" "$venv_python" -m pytest -q -p no:cacheprovider "$@" tests || status=$?
+# --capture=sys: pytest captures Python's sys.stdout/stderr only, so whatever the runtimes write to
+# file descriptor 2 reaches this script's output. UBSan's report of a misaligned load went to stderr
+# despite log_path, and with pytest's default fd capture it vanished with the process (exit status
+# 1, no log file, no summary).
+LD_PRELOAD="$preload" "$venv_python" -m pytest -q -p no:cacheprovider --capture=sys "$@" tests || status=$?
 
 # Log files also hold harmless notes (allocator_may_return_null prints "failed to allocate"
 # warnings); an error report always has one of these lines.
@@ -91,6 +95,8 @@ for f in $reports; do
 done
 if [[ -n $reports ]]; then
   status=1
+elif [[ $status -ne 0 ]]; then
+  echo "sanitize.sh: pytest stopped with status $status and no sanitizer log: look for a report on stderr above" >&2
 fi
 echo "== sanitize: pytest exit status $status, $(wc -w <<<"$reports") sanitizer report(s)" \
   "($notes log file(s) in all), $(( $(date +%s) - start )) s in total"
