@@ -459,10 +459,15 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
     }
     return t;
   };
-  // The rows item n reads and writes (a split item writes a partial state, not output rows).
-  auto plan_prefetch = [&](ItemPrefetch& p, int64_t n) {
+  // The rows item n reads and writes (a split item writes a partial state, not output rows), but not
+  // the K and V rows of `current` (the item running now) if n reads the same ones: another query
+  // block of the same head, or a head of the same GQA group, finds them in L2 (prefetching them
+  // again cost 1x16x512x64 x 4 9%, causal 17%).
+  auto plan_prefetch = [&](ItemPrefetch& p, int64_t n, const Tile& current) {
     const Tile t = item_tile(n);
-    const int64_t item = a.kv_item_bytes(), keys = t.j_end - t.j_begin;
+    const bool same_kv = a.k_offset[t.bh] == a.k_offset[current.bh] && a.v_offset[t.bh] == a.v_offset[current.bh] &&
+                         t.j_begin == current.j_begin && t.j_end <= current.j_end;
+    const int64_t item = a.kv_item_bytes(), keys = same_kv ? 0 : t.j_end - t.j_begin;
     auto lines = [](int64_t bytes) { return (bytes + 63) / 64; };
     p.part[0] = {reinterpret_cast<const char*>(a.q + a.q_offset[t.bh] + t.i0 * a.q_stride_l), t.rows,
                  a.q_stride_l * int64_t(sizeof(T)), lines(a.head_dim * int64_t(sizeof(T)))};
@@ -481,7 +486,7 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
     const Tile t = item_tile(n);
     if (prefetch_items && next >= 0) {
       s.next_item = &next_items[size_t(thread_id())];
-      plan_prefetch(*s.next_item, next);
+      plan_prefetch(*s.next_item, next, t);
       s.next_item->start(t.j_end - t.j_begin);
     }
     const int64_t bm = tile_rows(t);
