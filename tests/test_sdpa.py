@@ -775,6 +775,7 @@ def prefetch(mode):
         (20, 600, dict(half=True, mask="bool", is_causal="lower_right")),
         (200, 90, dict(is_causal=True, threads=3)),
         (64, 64, dict(threads=1, layout="bshd")),
+        (300, 40, dict(threads=5, mask="bool")),  # 40 items claimed ahead by 5 threads
     ],
 )
 @pytest.mark.parametrize("mode", [1, 2])

@@ -479,7 +479,7 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
                  a.out_stride_l * int64_t(sizeof(T)), lines(a.value_dim * int64_t(sizeof(T)))};
   };
 
-  parallel_for_ahead(items, threads, [&](int64_t n, int64_t next) {
+  auto run_item = [&](int64_t n, int64_t next) {
     T* mine = scratch.data() + per_thread * size_t(thread_id());
     Scratch<T> s{mine, mine + qt_elems, state_at(mine + qt_elems + st_elems, block_rows, a.value_dim),
                  kv_elems ? mine + qt_elems + st_elems + sstate : nullptr};
@@ -496,7 +496,10 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
     if (split.count > 1) return;
     ks.finalize(s.state, bm, t.rows, a.value_dim, a.out_rows(t.bh) + t.i0 * a.out_stride_l, a.out_stride_l);
     if (a.weights) ks.write_weights(a, t, bm, s);
-  });
+  };
+  // Claiming ahead only where it is used: elsewhere the schedule stays plain first-come.
+  if (prefetch_items) parallel_for_ahead(items, threads, run_item);
+  else parallel_for(items, threads, [&](int64_t n) { run_item(n, -1); });
 
   if (split.count > 1) {
     parallel_for(tasks, threads, [&](int64_t task) {
