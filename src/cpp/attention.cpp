@@ -7,7 +7,9 @@
 // every chunk produces a partial (m, l, acc) and the chunks are merged in a fixed order with
 // log-sum-exp rescaling. The decision depends only on the problem's shape, never on the thread
 // count, so the result is bitwise identical for any number of threads. Tasks are handed out
-// dynamically, last query blocks first: under a causal mask they are the longest.
+// dynamically, last query blocks first: under a causal mask they are the longest. When the arrays
+// come from memory in small pieces (many short heads), each thread claims its next item before
+// starting the current one and prefetches the next item's rows while it works (ItemPrefetch).
 //
 // Memory: per thread one query block, one score block and one accumulator (O(block_rows * (head_dim
 // + key_block + value_dim)), plus one K and one V block converted from 16 bits when K/V are stored so);
