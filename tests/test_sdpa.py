@@ -215,25 +215,6 @@ def _bool_mask_cases(rng, q_len, kv_len):
     }
 
 
-@pytest.mark.parametrize("q_len, kv_len", [(9, 70), (130, 700)])
-@pytest.mark.parametrize(
-    "layout", ["shared_2d", "per_batch", "per_head", "shared_rows", "shared_keys", "transposed", "reversed"]
-)
-@pytest.mark.parametrize("options", [{}, {"is_causal": "lower_right"}, {"return_weights": True}], ids=str)
-def test_bool_mask_bytes_and_bits_agree(isa, dtype, rng, q_len, kv_len, layout, options):
-    # The driver packs boolean masks to bits when the copy fits its budget, and the kernels read the
-    # mask bytes otherwise: both give bit-identical results, and match the reference.
-    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=3, q_len=q_len, kv_len=kv_len, head_dim=16)
-    mask = _bool_mask_cases(rng, q_len, kv_len)[layout]
-    packed = check_against_reference(q, k, v, mask, **options)
-    with masks_read_as_bytes():
-        from_bytes = sdpa(q, k, v, mask, **options)
-    if options.get("return_weights"):
-        np.testing.assert_array_equal(packed[1], from_bytes[1])
-        packed, from_bytes = packed[0], from_bytes[0]
-    np.testing.assert_array_equal(packed, from_bytes)
-
-
 def _float_mask_cases(rng, dtype, q_len, kv_len):
     """Float masks of every layout the bit packing distinguishes, for (2, 3, q_len, kv_len) inputs:
     mostly 0 and -inf (causal- and padding-shaped, with holes), with finite values to add in some key
@@ -259,24 +240,29 @@ def _float_mask_cases(rng, dtype, q_len, kv_len):
     return {name: m.astype(dtype) for name, m in cases.items()}
 
 
+MASK_LAYOUTS = [("bool", layout) for layout in ("shared_2d", "per_batch", "per_head", "shared_rows", "shared_keys",
+                                                  "transposed", "reversed")] + [
+    ("float", layout) for layout in ("causal_2d", "per_batch", "per_head", "shared_rows", "shared_keys", "transposed",
+                                     "reversed")]
+
+
 @pytest.mark.parametrize("q_len, kv_len", [(9, 70), (130, 700)])
-@pytest.mark.parametrize(
-    "layout", ["causal_2d", "per_batch", "per_head", "shared_rows", "shared_keys", "transposed", "reversed"]
-)
+@pytest.mark.parametrize("kind, layout", MASK_LAYOUTS)
 @pytest.mark.parametrize("options", [{}, {"is_causal": "lower_right"}, {"return_weights": True}], ids=str)
-def test_float_mask_floats_and_bits_agree(isa, dtype, rng, q_len, kv_len, layout, options):
-    # The driver packs float masks to two bits per element (not -inf; a value to add) when the copy
-    # fits its budget, and the kernels read the floats otherwise: both give bit-identical results,
-    # and match the reference.
+def test_mask_bits_agree_with_mask_as_given(isa, dtype, rng, q_len, kv_len, kind, layout, options):
+    # The driver packs masks to bits when the copy fits its budget (boolean: one bit per element;
+    # float: two, not -inf and a value to add), and the kernels read the bytes or floats otherwise:
+    # both give bit-identical results, and match the reference.
     q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=3, q_len=q_len, kv_len=kv_len, head_dim=16)
-    mask = _float_mask_cases(rng, dtype, q_len, kv_len)[layout]
+    cases = _bool_mask_cases(rng, q_len, kv_len) if kind == "bool" else _float_mask_cases(rng, dtype, q_len, kv_len)
+    mask = cases[layout]
     packed = check_against_reference(q, k, v, mask, **options)
     with masks_read_as_bytes():
-        from_floats = sdpa(q, k, v, mask, **options)
+        as_given = sdpa(q, k, v, mask, **options)
     if options.get("return_weights"):
-        np.testing.assert_array_equal(packed[1], from_floats[1])
-        packed, from_floats = packed[0], from_floats[0]
-    np.testing.assert_array_equal(packed, from_floats)
+        np.testing.assert_array_equal(packed[1], as_given[1])
+        packed, as_given = packed[0], as_given[0]
+    np.testing.assert_array_equal(packed, as_given)
 
 
 @pytest.mark.parametrize("column", [130, 297])  # in a whole vector of the row / in its tail
