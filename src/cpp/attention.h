@@ -146,7 +146,7 @@ struct ItemPrefetch {
   };
   static constexpr int kParts = 4;
   Rows part[kParts];
-  int64_t lines_per_key = 0;  // lines issued per key of the current item, so all are out early in it
+  int64_t lines_per_key = 0;  // lines issued per key of the current item (set by start)
   int at = kParts;            // the part being prefetched (kParts: all issued)
   int64_t row = 0, line = 0;
   void start(int64_t current_keys) {
