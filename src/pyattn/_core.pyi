@@ -109,7 +109,8 @@ def _set_prefetch(mode: int) -> int:
 
 def _convert_half(src: np.ndarray, dst: np.ndarray, num_threads: int = 0) -> None:
     """float16 bit patterns (uint16) to float32 or float32 to float16 bits, C-contiguous arrays of the
-    same size, rounding to nearest even like NumPy's astype; TypeError/ValueError otherwise."""
+    same size aligned to their element size, rounding to nearest even like NumPy's astype;
+    TypeError/ValueError otherwise."""
 
 def cache_bytes(level: int) -> int:
     """Bytes of this CPU's level 1-3 data cache per core, from CPUID (0 where it does not say)."""
