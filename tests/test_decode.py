@@ -20,6 +20,8 @@ What is held against what:
 Tolerances: float32/float64 use conftest.TOL; the 16-bit ones live in HALF_TOL below (the only place).
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 from conftest import TOL, assert_close, make_qkv, nan_guarded, random_array, random_mask
@@ -879,3 +881,117 @@ def test_half_sdpa_edges(rng, name):
         assert got.dtype == dtype and got.shape == (2, q_len, value_dim)
         expected = reference.scaled_dot_product_attention(f64(q), f64(k), f64(v))
         assert_half_close(got, expected, name)
+
+
+# --- GQA group tiles: a group's heads through the key blocks together ----------------------------
+
+
+@contextlib.contextmanager
+def group_tiles(on):
+    """How the query tiles take GQA groups: 1 (the default) a group's heads together (KernelSet::
+    attend_group), 0 head by head."""
+    previous = pyattn._core._set_group_tiles(on)
+    try:
+        yield
+    finally:
+        pyattn._core._set_group_tiles(previous)
+
+
+# (q_heads, kv_heads, q_len, kv_len, options). kv_len <= 256 keeps every call in one key chunk (the
+# shortest key block of any tile is 256 keys), so both ways go through the same blocks in the same
+# order and must agree bit for bit.
+GROUP_CASES = {
+    "group4": (8, 2, 17, 200, dict()),
+    "two_query_blocks_causal": (4, 1, 70, 256, dict(is_causal=True)),
+    "mqa12_subgroups_lower_right": (12, 1, 9, 100, dict(is_causal="lower_right")),  # 2 sub-groups of 6
+    "mqa32_subgroups": (32, 1, 10, 60, dict()),  # 4 sub-groups of 8
+    "bool_mask_per_head_nan_kv": (6, 2, 20, 150, dict(mask="bool")),
+    "float_mask_value_dim": (6, 3, 33, 90, dict(mask="float", value_dim=19)),
+    # Keys 0-39 forbidden to every query (left padding) with finite K/V: the tiles drop them from the
+    # block, and read the converted rows from key 40 on.
+    "left_padding_finite_kv": (8, 2, 12, 230, dict(mask="bool", pad=40)),
+}
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("case", list(GROUP_CASES))
+@pytest.mark.parametrize("name", CACHE_DTYPES)
+def test_group_tiles_bitwise_equal_to_head_by_head(isa, rng, name, case, threads):
+    """Group tiles against head-by-head tiles, every dtype (16-bit K/V converted once per group and
+    block), and against the reference. Masks differ per head; forbidden keys (no query of the batch
+    entry may see them) hold NaN in K and Inf in V, so a head whose unguarded pass fails reruns alone
+    (head by head, which would hide a wrong row offset: hence also finite padded keys)."""
+    dtype = np_dtype(name)
+    q_heads, kv_heads, q_len, kv_len, opts = GROUP_CASES[case]
+    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=q_heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
+                       head_dim=24, value_dim=opts.get("value_dim"))
+    mask, clean_k, clean_v = None, f64(k), f64(v)
+    if "mask" in opts:
+        mask = random_mask(rng, (2, q_heads, q_len, kv_len), opts["mask"], dtype)
+        pad = opts.get("pad", 0)
+        mask[..., pad] = True if mask.dtype == np.bool_ else 0.0
+        mask[..., :pad] = False
+        if not pad:
+            forbidden = rng.random(kv_len) < 0.3
+            forbidden[0] = False
+            mask[..., forbidden] = False if mask.dtype == np.bool_ else -np.inf
+            k[..., forbidden, :] = np.nan
+            v[..., forbidden, :] = np.inf
+            clean_k[..., forbidden, :] = 0.0
+            clean_v[..., forbidden, :] = 0.0
+        mask = nan_guarded(mask)
+    kwargs = dict(is_causal=opts.get("is_causal", False), enable_gqa=True, num_threads=threads)
+    with group_tiles(1):
+        together = sdpa(q, k, v, mask, **kwargs)
+    with group_tiles(0):
+        alone = sdpa(q, k, v, mask, **kwargs)
+    np.testing.assert_array_equal(f64(together), f64(alone))
+    kwargs.pop("num_threads")
+    ref_mask = None if mask is None else (mask if mask.dtype == np.bool_ else f64(mask))
+    expected = reference.scaled_dot_product_attention(f64(q), clean_k, clean_v, ref_mask, **kwargs)
+    if name in HALF_NAMES:
+        assert_half_close(together, expected, name)
+    else:
+        assert_close(together, expected, dtype.type)
+
+
+@pytest.mark.parametrize("on", [1, 0])
+@pytest.mark.parametrize("name", CACHE_DTYPES)
+def test_group_tiles_split_keys(isa, rng, name, on):
+    """Group tiles over a key range split into chunks (few tasks, 3000 keys): each chunk's state per
+    head, merged per head; forbidden NaN/Inf rows, a head that sees no key (zeros)."""
+    dtype = np_dtype(name)
+    q, k, v, mask, clean_k, clean_v = long_kv_inputs(rng, dtype, 40)
+    with group_tiles(on):
+        got = sdpa(q, k, v, mask, is_causal="lower_right", enable_gqa=True, num_threads=2)
+    assert np.isfinite(f64(got)).all()
+    np.testing.assert_array_equal(f64(got[:, 1]), 0.0)
+    expected = reference.scaled_dot_product_attention(f64(q), clean_k, clean_v, mask, is_causal="lower_right",
+                                                      enable_gqa=True)
+    if name in HALF_NAMES:
+        assert_half_close(got, expected, name)
+    else:
+        assert_close(got, expected, dtype.type)
+
+
+@pytest.mark.parametrize("name", HALF_NAMES)
+def test_group_tiles_ragged_cache(isa, rng, name):
+    """A 16-bit cache whose rows have different lengths, a 12-token chunk (query tiles): group tiles
+    give the same bits as head by head."""
+    cache = pyattn.KVCache(3, 2, 16, 300, dtype=name)
+    storage = np_dtype(name)
+    lengths = np.array([200, 37, 5])
+    cache.append(rng.standard_normal((3, 2, 200, 16)).astype(storage),
+                 rng.standard_normal((3, 2, 200, 16)).astype(storage), num_new=lengths)
+    cache.append(rng.standard_normal((3, 2, 12, 16)).astype(storage),
+                 rng.standard_normal((3, 2, 12, 16)).astype(storage))
+    q = rng.standard_normal((3, 8, 12, 16)).astype(np.float32)
+    with group_tiles(1):
+        together = cache.attend(q)
+    with group_tiles(0):
+        alone = cache.attend(q)
+    np.testing.assert_array_equal(together, alone)
+    for b in range(3):
+        ref = reference.scaled_dot_product_attention(f64(q[b]), f64(cache.keys(b)), f64(cache.values(b)),
+                                                     is_causal="lower_right", enable_gqa=True)
+        assert_compute_close(together[b], ref, np.dtype(np.float32))

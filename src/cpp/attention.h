@@ -191,6 +191,9 @@ struct Scratch {
   ItemPrefetch* next_item = nullptr;  // what to prefetch for the thread's next item, or null
 };
 
+// Most heads of one GQA group that a group tile (KernelSet::attend_group) takes together.
+constexpr int64_t kMaxGroupTileHeads = 8;
+
 // Work item: query rows [i0, i0 + rows) of head bh against keys [j_begin, j_end).
 struct Tile {
   int64_t bh;
@@ -225,6 +228,10 @@ struct KernelSet {
   // Online-softmax attention of one tile into `s.state` (which it initialises).
   // block_rows is lanes * rv, rv in 1 .. row_vecs (the caller picks the fewest that hold t.rows).
   void (*attend)(const AttnArgs<T>& a, const Tile& t, int64_t block_rows, Scratch<T>& s);
+  // The same for the query rows of t.i0 .. of heads t.bh .. t.bh + heads - 1 (1 .. kMaxGroupTileHeads,
+  // sharing K and V: a GQA group), key block by key block, into s[h].state; s[h].st and s[h].kv may
+  // be shared (s[0].kv holds the converted 16-bit rows for all heads).
+  void (*attend_group)(const AttnArgs<T>& a, const Tile& t, int64_t heads, int64_t block_rows, Scratch<T>* s);
   // Writes normalised softmax weights of the tile's rows for all keys, from the final state.
   void (*write_weights)(const AttnArgs<T>& a, const Tile& t, int64_t block_rows, Scratch<T>& s);
   // Normalised output rows (out + i * out_stride) of a finished tile state: acc / l, zeros if l == 0.
@@ -312,6 +319,9 @@ int64_t set_packed_mask_limit(int64_t bytes);
 // 1 always the next key block's K/V rows (AttnArgs::prefetch_kv), 2 always the next work item's
 // rows (Scratch::next_item); tests force each. Returns the previous mode.
 int set_prefetch(int mode);
+// Whether the query tiles take a GQA group's heads together (KernelSet::attend_group; 1, the
+// default) or head by head (0, for tests). Returns the previous setting.
+int set_group_tiles(int on);
 bool openmp_enabled();
 const char* openmp_runtime();
 double fma_peak_gflops(int num_threads, double seconds);

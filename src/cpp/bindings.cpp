@@ -667,6 +667,9 @@ PYBIND11_MODULE(_core, m) {
         "What the query tiles prefetch: -1 decided per call from the cache sizes (default), 0 nothing, "
         "1 always the next key block's K/V rows, 2 always the next work item's rows (for tests). "
         "Returns the previous mode.");
+  m.def("_set_group_tiles", &set_group_tiles, py::arg("on"),
+        "Whether the query tiles take the heads of a GQA group together (1, the default) or head by "
+        "head (0, for tests). Returns the previous setting.");
   m.def("_set_packed_mask_limit", &set_packed_mask_limit, py::arg("nbytes"),
         "Largest packed (bit) copy of a boolean mask a call makes; 0 makes the kernels read mask bytes "
         "(for tests). Returns the previous limit.");

@@ -107,6 +107,10 @@ def _set_prefetch(mode: int) -> int:
     1 always the next key block's K/V rows, 2 always the next work item's rows (for tests). Returns
     the previous mode."""
 
+def _set_group_tiles(on: int) -> int:
+    """Whether the query tiles take the heads of a GQA group together (1, the default) or head by
+    head (0, for tests). Returns the previous setting."""
+
 def _convert_half(src: np.ndarray, dst: np.ndarray, num_threads: int = 0) -> None:
     """float16 bit patterns (uint16) to float32 or float32 to float16 bits, C-contiguous arrays of the
     same size aligned to their element size, rounding to nearest even like NumPy's astype;
