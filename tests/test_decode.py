@@ -69,11 +69,31 @@ def f64(x):
     return np.asarray(x).astype(np.float64)
 
 
+@contextlib.contextmanager
+def group_tiles(on):
+    """How the query tiles take GQA groups: 1 (the default) a group's heads together (KernelSet::
+    attend_group), 0 head by head."""
+    previous = pyattn._core._set_group_tiles(on)
+    try:
+        yield
+    finally:
+        pyattn._core._set_group_tiles(previous)
+
+
 def assert_half_close(actual, expected, name):
     """A 16-bit result against the float64 reference, with HALF_TOL; dtype must be the input dtype."""
     assert actual.dtype == np_dtype(name)
     rtol, atol = HALF_TOL[name]
     np.testing.assert_allclose(f64(actual), expected, rtol=rtol, atol=atol)
+
+
+def assert_result_close(actual, expected, name):
+    """scaled_dot_product_attention's result for inputs of dtype `name` against the float64
+    reference: HALF_TOL for 16-bit inputs, conftest.TOL otherwise."""
+    if name in HALF_NAMES:
+        assert_half_close(actual, expected, name)
+    else:
+        assert_close(actual, expected, np_dtype(name).type)
 
 
 def assert_compute_close(actual, expected, compute):
@@ -336,10 +356,7 @@ def test_decode_many_query_rows_per_kv_head(isa, rng, name):
         got = sdpa(q, k, v, mask, is_causal="lower_right", enable_gqa=True)
         expected = reference.scaled_dot_product_attention(f64(q), f64(k), f64(v), mask, is_causal="lower_right",
                                                           enable_gqa=True)
-        if name in HALF_NAMES:
-            assert_half_close(got, expected, name)
-        else:
-            assert_close(got, expected, dtype.type)
+        assert_result_close(got, expected, name)
 
 
 @pytest.mark.parametrize("head_dim", [13, 16, 24, 32, 60, 64, 100, 128])
@@ -356,10 +373,7 @@ def test_decode_group_sizes_and_head_dims(isa, rng, name, head_dim):
         got = sdpa(q, k, v, is_causal="lower_right", enable_gqa=True)
         expected = reference.scaled_dot_product_attention(f64(q), f64(k), f64(v), is_causal="lower_right",
                                                           enable_gqa=True)
-        if name in HALF_NAMES:
-            assert_half_close(got, expected, name)
-        else:
-            assert_close(got, expected, dtype.type)
+        assert_result_close(got, expected, name)
 
 
 # --- KVCache API -----------------------------------------------------------------------------------
@@ -728,21 +742,22 @@ def long_kv_inputs(rng, dtype, q_len, kv_len=3000, heads=4, kv_heads=2, head_dim
     return q, k, v, mask, clean_k, clean_v
 
 
+@pytest.mark.parametrize("group", [1, 0], ids=["group_tiles", "head_tiles"])
 @pytest.mark.parametrize("q_len", [1, 2, 3, 4, DECODE_MAX + 1, 40])
 @pytest.mark.parametrize("name", CACHE_DTYPES)
-def test_decode_long_kv_split_and_nan_forbidden_keys(isa, rng, name, q_len):
+def test_decode_long_kv_split_and_nan_forbidden_keys(isa, rng, name, q_len, group):
+    """The decode kernel (q_len <= DECODE_MAX) and the query tiles (longer; a GQA group's heads
+    together or head by head), over 3000 keys split into chunks and merged per head."""
     dtype = np_dtype(name)
     q, k, v, mask, clean_k, clean_v = long_kv_inputs(rng, dtype, q_len)
-    got = sdpa(q, k, v, mask, is_causal="lower_right", enable_gqa=True)
+    with group_tiles(group):
+        got = sdpa(q, k, v, mask, is_causal="lower_right", enable_gqa=True)
     assert got.dtype == dtype
     assert np.isfinite(f64(got)).all()
     np.testing.assert_array_equal(f64(got[:, 1]), 0.0)
     expected = reference.scaled_dot_product_attention(f64(q), clean_k, clean_v, mask, is_causal="lower_right",
                                                       enable_gqa=True)
-    if name in HALF_NAMES:
-        assert_half_close(got, expected, name)
-    else:
-        assert_close(got, expected, dtype.type)
+    assert_result_close(got, expected, name)
 
 
 @pytest.mark.parametrize("name", CACHE_DTYPES)
@@ -753,10 +768,7 @@ def test_decode_long_kv_float_mask(isa, rng, name):
     mask = random_mask(rng, (2, 1, 1, 3000), "float", dtype, p_allowed=0.5)
     got = sdpa(q, k, v, mask, enable_gqa=True)
     expected = reference.scaled_dot_product_attention(f64(q), f64(k), f64(v), f64(mask), enable_gqa=True)
-    if name in HALF_NAMES:
-        assert_half_close(got, expected, name)
-    else:
-        assert_close(got, expected, dtype.type)
+    assert_result_close(got, expected, name)
 
 
 @pytest.mark.parametrize("q_len", [1, 3])
@@ -886,17 +898,6 @@ def test_half_sdpa_edges(rng, name):
 # --- GQA group tiles: a group's heads through the key blocks together ----------------------------
 
 
-@contextlib.contextmanager
-def group_tiles(on):
-    """How the query tiles take GQA groups: 1 (the default) a group's heads together (KernelSet::
-    attend_group), 0 head by head."""
-    previous = pyattn._core._set_group_tiles(on)
-    try:
-        yield
-    finally:
-        pyattn._core._set_group_tiles(previous)
-
-
 # (q_heads, kv_heads, q_len, kv_len, options). kv_len <= 256 keeps every call in one key chunk (the
 # shortest key block of any tile is 256 keys), so both ways go through the same blocks in the same
 # order and must agree bit for bit.
@@ -949,29 +950,7 @@ def test_group_tiles_bitwise_equal_to_head_by_head(isa, rng, name, case, threads
     kwargs.pop("num_threads")
     ref_mask = None if mask is None else (mask if mask.dtype == np.bool_ else f64(mask))
     expected = reference.scaled_dot_product_attention(f64(q), clean_k, clean_v, ref_mask, **kwargs)
-    if name in HALF_NAMES:
-        assert_half_close(together, expected, name)
-    else:
-        assert_close(together, expected, dtype.type)
-
-
-@pytest.mark.parametrize("on", [1, 0])
-@pytest.mark.parametrize("name", CACHE_DTYPES)
-def test_group_tiles_split_keys(isa, rng, name, on):
-    """Group tiles over a key range split into chunks (few tasks, 3000 keys): each chunk's state per
-    head, merged per head; forbidden NaN/Inf rows, a head that sees no key (zeros)."""
-    dtype = np_dtype(name)
-    q, k, v, mask, clean_k, clean_v = long_kv_inputs(rng, dtype, 40)
-    with group_tiles(on):
-        got = sdpa(q, k, v, mask, is_causal="lower_right", enable_gqa=True, num_threads=2)
-    assert np.isfinite(f64(got)).all()
-    np.testing.assert_array_equal(f64(got[:, 1]), 0.0)
-    expected = reference.scaled_dot_product_attention(f64(q), clean_k, clean_v, mask, is_causal="lower_right",
-                                                      enable_gqa=True)
-    if name in HALF_NAMES:
-        assert_half_close(got, expected, name)
-    else:
-        assert_close(got, expected, dtype.type)
+    assert_result_close(together, expected, name)
 
 
 @pytest.mark.parametrize("name", HALF_NAMES)
