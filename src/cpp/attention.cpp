@@ -473,8 +473,8 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
     return std::min(group_heads, a.group - task / q_blocks % sub_groups * group_heads);
   };
   auto tile_of = [&](int64_t task) {
-    // Head by head, so a core's consecutive tiles reuse the head's K and V from its L2; within a
-    // head, last query blocks first: under a causal mask they have the most keys.
+    // Head (or group tile) by head, so a core's consecutive tiles reuse the head's K and V from its
+    // L2; within a head, last query blocks first: under a causal mask they have the most keys.
     const int64_t bh = first_head(task);
     const int64_t qb = q_blocks - 1 - task % q_blocks;
     const int64_t i0 = qb * block_rows;
