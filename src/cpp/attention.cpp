@@ -416,7 +416,7 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
   // threads, 32 query heads over 8 K/V heads, head_dim 128, lower-right causal, group tiles against
   // head by head): 12-16 new tokens over 4096-16384 keys float32 1.13-1.14x (AVX2 1.16-1.20x),
   // float16/bfloat16 1.19-1.24x (16-bit was 0.8x float32 there, now 1.0x); prefill 1024-2048 tokens
-  // 1.02-1.05x (AVX2 1.04-1.23x). Up to kMaxGroupTileHeads heads, and no more than put their query
+  // 1.02-1.05x (AVX2 1.04-1.25x). Up to kMaxGroupTileHeads heads, and no more than put their query
   // blocks and states in half of L2 next to the key blocks.
   int64_t group_heads = 1;
   if (!a.weights && a.group > 1 && g_group_tiles.load(std::memory_order_relaxed)) {

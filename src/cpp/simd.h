@@ -211,10 +211,16 @@ struct Simd<float> {
   // Lane i of the result = hsum(x[i]) for 16 vectors: a transpose folded into the additions (unpack
   // pairs of floats, then of float pairs, then 128-bit quarters twice), 30 shuffles + 15 adds for 16
   // sums instead of 16 separate reductions of 4 dependent steps each.
+  // Split in two for callers that form the first level as their vectors come (pair_sum of x[2i] and
+  // x[2i+1]) and keep only lanes / 2 vectors: hsum_lanes(x) == hsum_pairs({pair_sum(x[2i], x[2i+1])}).
+  static reg pair_sum(reg a, reg b) { return add(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); }
   static reg hsum_lanes(const reg* x) {
-    reg h2[8], h4[4], h8[2];
-    for (int i = 0; i < 8; ++i)
-      h2[i] = add(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+    reg h2[8];
+    for (int i = 0; i < 8; ++i) h2[i] = pair_sum(x[2 * i], x[2 * i + 1]);
+    return hsum_pairs(h2);
+  }
+  static reg hsum_pairs(const reg* h2) {
+    reg h4[4], h8[2];
     for (int i = 0; i < 4; ++i) {
       const __m512d a = _mm512_castps_pd(h2[2 * i]), b = _mm512_castps_pd(h2[2 * i + 1]);
       h4[i] = add(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
@@ -314,9 +320,14 @@ struct Simd<double> {
     }
   }
   // Lane i of the result = hsum(x[i]) for 8 vectors (see Simd<float>::hsum_lanes).
+  static reg pair_sum(reg a, reg b) { return add(_mm512_unpacklo_pd(a, b), _mm512_unpackhi_pd(a, b)); }
   static reg hsum_lanes(const reg* x) {
-    reg h2[4], h4[2];
-    for (int i = 0; i < 4; ++i) h2[i] = add(_mm512_unpacklo_pd(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_pd(x[2 * i], x[2 * i + 1]));
+    reg h2[4];
+    for (int i = 0; i < 4; ++i) h2[i] = pair_sum(x[2 * i], x[2 * i + 1]);
+    return hsum_pairs(h2);
+  }
+  static reg hsum_pairs(const reg* h2) {
+    reg h4[2];
     for (int i = 0; i < 2; ++i)
       h4[i] = add(_mm512_shuffle_f64x2(h2[2 * i], h2[2 * i + 1], 0x88), _mm512_shuffle_f64x2(h2[2 * i], h2[2 * i + 1], 0xdd));
     return add(_mm512_shuffle_f64x2(h4[0], h4[1], 0x88), _mm512_shuffle_f64x2(h4[0], h4[1], 0xdd));
@@ -411,10 +422,14 @@ struct Simd<float> {
   }
   // Lane i of the result = hsum(x[i]) for 8 vectors: unpack pairs of floats, then of float pairs,
   // then swap 128-bit halves (a transpose folded into the additions).
+  static reg pair_sum(reg a, reg b) { return add(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b)); }
   static reg hsum_lanes(const reg* x) {
-    reg h2[4], h4[2];
-    for (int i = 0; i < 4; ++i)
-      h2[i] = add(_mm256_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm256_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+    reg h2[4];
+    for (int i = 0; i < 4; ++i) h2[i] = pair_sum(x[2 * i], x[2 * i + 1]);
+    return hsum_pairs(h2);
+  }
+  static reg hsum_pairs(const reg* h2) {
+    reg h4[2];
     for (int i = 0; i < 2; ++i) {
       const __m256d a = _mm256_castps_pd(h2[2 * i]), b = _mm256_castps_pd(h2[2 * i + 1]);
       h4[i] = add(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
@@ -503,10 +518,13 @@ struct Simd<double> {
     r[3] = _mm256_permute2f128_pd(t1, t3, 0x31);
   }
   // Lane i of the result = hsum(x[i]) for 4 vectors (see Simd<float>::hsum_lanes).
+  static reg pair_sum(reg a, reg b) { return add(_mm256_unpacklo_pd(a, b), _mm256_unpackhi_pd(a, b)); }
   static reg hsum_lanes(const reg* x) {
-    const reg ab = add(_mm256_unpacklo_pd(x[0], x[1]), _mm256_unpackhi_pd(x[0], x[1]));
-    const reg cd = add(_mm256_unpacklo_pd(x[2], x[3]), _mm256_unpackhi_pd(x[2], x[3]));
-    return add(_mm256_permute2f128_pd(ab, cd, 0x20), _mm256_permute2f128_pd(ab, cd, 0x31));
+    const reg h2[2] = {pair_sum(x[0], x[1]), pair_sum(x[2], x[3])};
+    return hsum_pairs(h2);
+  }
+  static reg hsum_pairs(const reg* h2) {
+    return add(_mm256_permute2f128_pd(h2[0], h2[1], 0x20), _mm256_permute2f128_pd(h2[0], h2[1], 0x31));
   }
 };
 
