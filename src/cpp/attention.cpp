@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
-// The driver: splits one attention call into independent tiles, owns the only OpenMP parallel
-// region and the per-thread scratch, and normalises the kernels' running state into the output.
+// The driver: splits one attention call into independent tiles, runs them on the threads
+// (parallel.h), owns the per-thread scratch, and normalises the kernels' running state into the
+// output.
 //
 // Work split. A task is (batch*head, block of query rows). When there are too few tasks to keep a
 // machine busy (short queries, few heads: decode), each task's key range is also split into chunks;
@@ -20,27 +21,16 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
-#include <cstdlib>
-#include <new>
 #include <cmath>
-#include <cstring>
+#include <cstdlib>
 #include <limits>
 #include <memory>
+#include <new>
+#include <utility>
 #include <vector>
 
 #include "attention.h"
-
-#if defined(__SSE2__) || defined(_M_X64)
-#include <emmintrin.h>
-#endif
-
-#if defined(PYATTN_OPENMP)
-#include <omp.h>
-#endif
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
+#include "parallel.h"
 
 namespace pyattn {
 namespace {
@@ -89,36 +79,6 @@ class AlignedBuffer {
 
  private:
   T* data_;
-};
-
-// A large read-only-benchmark buffer, 2 MiB aligned and advised as huge pages on Linux.
-class HugeBuffer {
- public:
-  explicit HugeBuffer(size_t bytes) {
-    constexpr size_t kHuge = size_t(2) << 20;
-    const size_t size = (bytes + kHuge - 1) / kHuge * kHuge;
-#if defined(__linux__)
-    if (posix_memalign(&data_, kHuge, size) != 0) throw std::bad_alloc();
-    madvise(data_, size, MADV_HUGEPAGE);
-#else
-    raw_.resize(size + kHuge);
-    void* p = raw_.data();
-    size_t space = raw_.size();
-    data_ = std::align(kHuge, size, p, space);
-#endif
-  }
-  ~HugeBuffer() {
-#if defined(__linux__)
-    std::free(data_);
-#endif
-  }
-  HugeBuffer(const HugeBuffer&) = delete;
-  HugeBuffer& operator=(const HugeBuffer&) = delete;
-  void* data() { return data_; }
-
- private:
-  void* data_ = nullptr;
-  std::vector<unsigned char> raw_;
 };
 
 // Carves one item's running state (acc, m, l) out of `base`.
@@ -193,60 +153,6 @@ Split split_keys(int64_t tasks, int64_t kv_len, int64_t block, int64_t min_chunk
   if (n <= 1) return {1, kv_len};
   const int64_t chunk = ceil_div(ceil_div(kv_len, n), block) * block;
   return {ceil_div(kv_len, chunk), chunk};
-}
-
-int thread_id() {
-#if defined(PYATTN_OPENMP)
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
-}
-
-// Runs body(n) for n in [0, count) on up to `threads` threads, dynamically scheduled.
-template <class F>
-void parallel_for(int64_t count, int threads, F&& body) {
-#if defined(PYATTN_OPENMP)
-  if (threads > 1 && count > 1) {
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t n = 0; n < count; ++n) body(n);
-    return;
-  }
-#else
-  (void)threads;
-#endif
-  for (int64_t n = 0; n < count; ++n) body(n);
-}
-
-// Runs body(n, next) for n in [0, count) on up to `threads` threads, dynamically scheduled like
-// parallel_for, where `next` is the item the same thread runs after n (-1: not known yet), claimed
-// before n starts so that n's body can prefetch what `next` reads. A thread claims ahead only while
-// more items are left than there are threads, so none idles while another holds one in reserve.
-template <class F>
-void parallel_for_ahead(int64_t count, int threads, F&& body) {
-  std::atomic<int64_t> counter{0};
-  auto run = [&](int64_t team) {
-    int64_t n = counter.fetch_add(1, std::memory_order_relaxed);
-    while (n < count) {
-      int64_t next = -1;
-      if (count - counter.load(std::memory_order_relaxed) > team) {
-        next = counter.fetch_add(1, std::memory_order_relaxed);
-        if (next >= count) next = -1;
-      }
-      body(n, next);
-      n = next >= 0 ? next : counter.fetch_add(1, std::memory_order_relaxed);
-    }
-  };
-#if defined(PYATTN_OPENMP)
-  if (threads > 1 && count > 1) {
-#pragma omp parallel num_threads(threads)
-    run(omp_get_num_threads());
-    return;
-  }
-#else
-  (void)threads;
-#endif
-  run(1);
 }
 
 // A mask packed to bits for the tile kernels (MaskSlot::bits, and value_bits for an additive one).
@@ -599,93 +505,6 @@ const char* openmp_runtime() {
 #endif
 }
 
-double fma_peak_gflops(int num_threads, double seconds) {
-  using clock = std::chrono::steady_clock;
-  const KernelTable& kt = active_kernels();
-  const int threads = std::max(1, num_threads);
-  // Calibrate one call to about a millisecond so the loop dominates the clock reads.
-  int64_t iters = 1 << 16;
-  for (;;) {
-    const auto t0 = clock::now();
-    kt.fma_loop(iters);
-    if (std::chrono::duration<double>(clock::now() - t0).count() > 1e-3 || iters > (int64_t(1) << 40)) break;
-    iters *= 2;
-  }
-  double flops = 0;
-  const auto t0 = clock::now();
-  parallel_for(threads, threads, [&](int64_t) {
-    double mine = 0;
-    while (std::chrono::duration<double>(clock::now() - t0).count() < seconds) mine += kt.fma_loop(iters);
-#if defined(PYATTN_OPENMP)
-#pragma omp atomic
-#endif
-    flops += mine;
-  });
-  return flops / std::chrono::duration<double>(clock::now() - t0).count() * 1e-9;
-}
-
-namespace {
-
-// XOR of every byte of [p, p + bytes): an integer reduction, so any bit pattern (16-bit floats,
-// NaN payloads, denormals) costs the same; four independent chains of 16-byte loads (the baseline
-// x86-64 ISA) or of 8-byte words elsewhere keep far ahead of memory.
-uint64_t xor_bytes(const unsigned char* p, int64_t bytes) {
-  int64_t i = 0;
-  uint64_t out = 0;
-#if defined(__SSE2__) || defined(_M_X64)
-  __m128i acc[4] = {_mm_setzero_si128(), _mm_setzero_si128(), _mm_setzero_si128(), _mm_setzero_si128()};
-  for (; i + 64 <= bytes; i += 64)
-    for (int w = 0; w < 4; ++w)
-      acc[w] = _mm_xor_si128(acc[w], _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i + 16 * w)));
-  alignas(16) uint64_t lanes[2];
-  _mm_store_si128(reinterpret_cast<__m128i*>(lanes), _mm_xor_si128(_mm_xor_si128(acc[0], acc[1]), _mm_xor_si128(acc[2], acc[3])));
-  out = lanes[0] ^ lanes[1];
-#else
-  uint64_t acc[4] = {0, 0, 0, 0};
-  for (; i + 32 <= bytes; i += 32)
-    for (int w = 0; w < 4; ++w) {
-      uint64_t x;
-      std::memcpy(&x, p + i + 8 * w, 8);
-      acc[w] ^= x;
-    }
-  out = acc[0] ^ acc[1] ^ acc[2] ^ acc[3];
-#endif
-  for (; i < bytes; ++i) out ^= p[i];
-  return out;
-}
-
-// Thread c's part [lo, hi) of `bytes` split `threads` ways at 64-byte (cache line) boundaries.
-std::pair<int64_t, int64_t> thread_part(int64_t bytes, int threads, int64_t c) {
-  const int64_t per = ceil_div(ceil_div(bytes, threads), 64) * 64;
-  return {std::min(bytes, c * per), std::min(bytes, (c + 1) * per)};
-}
-
-volatile uint64_t g_read_sink = 0;  // keeps the XOR reductions observable
-
-}  // namespace
-
-double read_buffers_gbs(const std::vector<std::pair<const void*, int64_t>>& buffers, int num_threads) {
-  using clock = std::chrono::steady_clock;
-  const int threads = std::max(1, num_threads);
-  int64_t total = 0;
-  for (const auto& b : buffers) total += b.second;
-  double best = 0;
-  for (int rep = 0; rep < 5; ++rep) {
-    std::vector<uint64_t> x(size_t(threads), 0);
-    const auto t0 = clock::now();
-    parallel_for(threads, threads, [&](int64_t c) {
-      for (const auto& b : buffers) {  // each thread reads its part of every buffer
-        const auto part = thread_part(b.second, threads, c);
-        x[size_t(c)] ^= xor_bytes(static_cast<const unsigned char*>(b.first) + part.first, part.second - part.first);
-      }
-    });
-    const double dt = std::chrono::duration<double>(clock::now() - t0).count();
-    for (uint64_t v : x) g_read_sink = g_read_sink ^ v;
-    best = std::max(best, double(total) / dt * 1e-9);
-  }
-  return best;
-}
-
 namespace {
 // Runs convert(from, to, count) over [0, n) in chunks of at least kConvertChunk elements (below that,
 // starting a thread costs more than it saves), one chunk per thread.
@@ -706,24 +525,6 @@ void convert_half(const uint16_t* src, float* dst, int64_t n, int num_threads) {
 
 void convert_half(const float* src, uint16_t* dst, int64_t n, int num_threads) {
   convert_parallel(src, dst, n, num_threads > 0 ? num_threads : default_num_threads(), active_kernels().float_to_half);
-}
-
-double read_bandwidth_gbs(int num_threads, int64_t nbytes) {
-  const int threads = std::max(1, num_threads);
-  const int64_t n = std::max<int64_t>(nbytes, 4096);
-  // Backed by transparent huge pages where the OS offers them, like NumPy's large arrays (NumPy
-  // madvises them): with 4 KiB pages the hardware prefetchers stop at every page boundary and the
-  // "ceiling" would be measured well below what attention on NumPy arrays can reach. Whether the
-  // OS grants them depends on memory fragmentation; read_buffers_gbs on the arrays themselves
-  // measures the ceiling of exactly those pages.
-  HugeBuffer buf{size_t(n)};
-  unsigned char* data = static_cast<unsigned char*>(buf.data());
-  // First touch by the thread that will read each part (NUMA placement), values nonzero.
-  parallel_for(threads, threads, [&](int64_t c) {
-    const auto part = thread_part(n, threads, c);
-    if (part.second > part.first) std::memset(data + part.first, 1, size_t(part.second - part.first));
-  });
-  return read_buffers_gbs({{data, n}}, threads);
 }
 
 }  // namespace pyattn

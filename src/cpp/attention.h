@@ -258,7 +258,7 @@ struct KernelTable {
   KernelSet<float> f32;
   KernelSet<double> f64;
   // Machine ceiling for the benchmark: a register-only FMA loop (returns flops done). The read
-  // ceiling (read_buffers_gbs in attention.cpp) needs no ISA-specific code.
+  // ceiling (read_buffers_gbs, machine.cpp) needs no ISA-specific code.
   double (*fma_loop)(int64_t iterations);
   // Boolean mask rows to bits for MaskSlot::bits: `rows` rows of kv_len bytes (element (i, j) at
   // data[i * stride_l + j * stride_s]) into words_per_row = ceil(kv_len / 64) words each.
@@ -298,7 +298,7 @@ bool cpu_supports(const char* name);
 int64_t cache_bytes(int level);
 bool isa_compiled(const char* name);
 
-// attention.cpp: the driver (owns the only OpenMP parallel region).
+// attention.cpp: the driver (task split, scratch, merges; its parallel loops are parallel.h's).
 template <class T>
 void scaled_dot_product_attention(const AttnArgs<T>& a, int num_threads);
 // Query rows per head at or below which the driver runs the decode kernel (lanes along head_dim, a
@@ -324,7 +324,6 @@ int set_prefetch(int mode);
 int set_group_tiles(int on);
 bool openmp_enabled();
 const char* openmp_runtime();
-double fma_peak_gflops(int num_threads, double seconds);
 
 // One multi-head attention layer (inference), batch-first: three projections, attention, output
 // projection, in one call. Inputs are row matrices (batch * len, features) with a row stride; weights
@@ -365,12 +364,18 @@ template <class T>
 void pack_weights(const T* w, int64_t w_stride, int64_t n, int64_t k, int64_t panel, T* packed);
 template <class T>
 void linear(const GemmArgs<T>& g, int num_threads);
-double read_bandwidth_gbs(int num_threads, int64_t nbytes);
-// float16 <-> float32 conversion of n elements with the active ISA's kernels, split across threads
-// (NumPy's astype converts float16 one element at a time: ~2-3 ms per million elements here).
+
+// attention.cpp: float16 <-> float32 conversion of n elements with the active ISA's kernels, split
+// across threads (NumPy's astype converts float16 one element at a time: ~2-3 ms per million
+// elements here).
 void convert_half(const uint16_t* src, float* dst, int64_t n, int num_threads);
 void convert_half(const float* src, uint16_t* dst, int64_t n, int num_threads);
-// GB/s of reading every byte of the buffers once with num_threads threads (best of 5).
+
+// machine.cpp: the ceilings the benchmarks quote. GFLOP/s of the active ISA's FMA loop on
+// num_threads threads for `seconds`; GB/s of reading a fresh nbytes buffer; GB/s of reading every
+// byte of the given buffers once (best of 5).
+double fma_peak_gflops(int num_threads, double seconds);
+double read_bandwidth_gbs(int num_threads, int64_t nbytes);
 double read_buffers_gbs(const std::vector<std::pair<const void*, int64_t>>& buffers, int num_threads);
 
 }  // namespace pyattn

@@ -8,10 +8,7 @@
 #include <algorithm>
 
 #include "attention.h"
-
-#if defined(PYATTN_OPENMP)
-#include <omp.h>
-#endif
+#include "parallel.h"
 
 namespace pyattn {
 namespace {
@@ -52,15 +49,7 @@ void linear(const GemmArgs<T>& g, int num_threads) {
     ks.gemm(g, r0, std::min(g.m, r0 + rows_per_task), p);
   };
   const int threads = int(std::max<int64_t>(1, std::min<int64_t>(num_threads > 0 ? num_threads : default_num_threads(), tasks)));
-#if defined(PYATTN_OPENMP)
-  if (threads > 1) {
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t t = 0; t < tasks; ++t) body(t);
-    return;
-  }
-#endif
-  (void)threads;
-  for (int64_t t = 0; t < tasks; ++t) body(t);
+  parallel_for(tasks, threads, body);
 }
 
 template void pack_weights<float>(const float*, int64_t, int64_t, int64_t, int64_t, float*);

@@ -1,0 +1,73 @@
+// SPDX-License-Identifier: MIT
+// The thread pool of the C++ core: OpenMP's, entered only through these helpers, so every parallel
+// region of pyattn (the attention driver, the projections' GEMM, mask packing, the machine ceilings)
+// is one of the two loops below: a dynamically scheduled item loop, or the same with each thread
+// claiming its next item ahead. The team size is per call (num_threads), never a global setting;
+// built without OpenMP, both loops run serially.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+#if defined(PYATTN_OPENMP)
+#include <omp.h>
+#endif
+
+namespace pyattn {
+
+// The calling thread's index in the current team (0 outside a parallel region).
+inline int thread_id() {
+#if defined(PYATTN_OPENMP)
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+// Runs body(n) for n in [0, count) on up to `threads` threads, dynamically scheduled.
+template <class F>
+void parallel_for(int64_t count, int threads, F&& body) {
+#if defined(PYATTN_OPENMP)
+  if (threads > 1 && count > 1) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t n = 0; n < count; ++n) body(n);
+    return;
+  }
+#else
+  (void)threads;
+#endif
+  for (int64_t n = 0; n < count; ++n) body(n);
+}
+
+// Runs body(n, next) for n in [0, count) on up to `threads` threads, dynamically scheduled like
+// parallel_for, where `next` is the item the same thread runs after n (-1: not known yet), claimed
+// before n starts so that n's body can prefetch what `next` reads. A thread claims ahead only while
+// more items are left than there are threads, so none idles while another holds one in reserve.
+template <class F>
+void parallel_for_ahead(int64_t count, int threads, F&& body) {
+  std::atomic<int64_t> counter{0};
+  auto run = [&](int64_t team) {
+    int64_t n = counter.fetch_add(1, std::memory_order_relaxed);
+    while (n < count) {
+      int64_t next = -1;
+      if (count - counter.load(std::memory_order_relaxed) > team) {
+        next = counter.fetch_add(1, std::memory_order_relaxed);
+        if (next >= count) next = -1;
+      }
+      body(n, next);
+      n = next >= 0 ? next : counter.fetch_add(1, std::memory_order_relaxed);
+    }
+  };
+#if defined(PYATTN_OPENMP)
+  if (threads > 1 && count > 1) {
+#pragma omp parallel num_threads(threads)
+    run(omp_get_num_threads());
+    return;
+  }
+#else
+  (void)threads;
+#endif
+  run(1);
+}
+
+}  // namespace pyattn
