@@ -3,10 +3,11 @@
 //
 // src/pyattn/_api.py owns the user-facing contract (shapes, broadcasting, dtype policy, messages).
 // This file re-checks every invariant the C++ side relies on, cheaply and before the GIL is
-// released: dtypes, output layout, and that every row the kernels will touch lies inside the array it
-// belongs to (so no combination of arguments can make the core read or write out of bounds). Then it
-// fills AttnArgs, releases the GIL and calls the driver. No dtype conversion happens here: a silent
-// copy would hide layout bugs.
+// released (binding_checks.h): dtypes, output layout, and that every row the kernels will touch lies
+// inside the array it belongs to (so no combination of arguments can make the core read or write out
+// of bounds). Then it fills AttnArgs, releases the GIL and calls the driver. No dtype conversion
+// happens here: a silent copy would hide layout bugs. The GEMM and multi-head entries are in
+// bindings_mha.cpp.
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -24,121 +25,10 @@
 #include <vector>
 
 #include "attention.h"
-
-namespace py = pybind11;
+#include "binding_checks.h"
 
 namespace pyattn {
 namespace {
-
-[[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument(msg); }
-
-int64_t checked_mul(int64_t a, int64_t b) {
-#if defined(_MSC_VER) && !defined(__clang__)
-  if (a != 0 && b != 0) {
-    const bool neg = (a < 0) != (b < 0);
-    const uint64_t ua = a < 0 ? 0 - uint64_t(a) : uint64_t(a), ub = b < 0 ? 0 - uint64_t(b) : uint64_t(b);
-    if (ua > (neg ? uint64_t(INT64_MAX) + 1 : uint64_t(INT64_MAX)) / ub) fail("size computation overflows int64");
-  }
-  return a * b;
-#else
-  int64_t r;
-  if (__builtin_mul_overflow(a, b, &r)) fail("size computation overflows int64");
-  return r;
-#endif
-}
-
-int64_t checked_add(int64_t a, int64_t b) {
-#if defined(_MSC_VER) && !defined(__clang__)
-  if ((b > 0 && a > INT64_MAX - b) || (b < 0 && a < INT64_MIN - b)) fail("size computation overflows int64");
-  return a + b;
-#else
-  int64_t r;
-  if (__builtin_add_overflow(a, b, &r)) fail("size computation overflows int64");
-  return r;
-#endif
-}
-
-// Byte range [lo, hi) that an array's elements occupy, relative to its data pointer.
-struct Extent {
-  int64_t lo = 0, hi = 0;
-  bool empty = false;
-};
-
-Extent extent_of(const py::array& arr) {
-  Extent e;
-  int64_t lo = 0, hi = 0;
-  for (py::ssize_t d = 0; d < arr.ndim(); ++d) {
-    const int64_t n = arr.shape(d), st = arr.strides(d);
-    if (n == 0) e.empty = true;
-    const int64_t span = checked_mul(n > 0 ? n - 1 : 0, st);
-    if (span < 0) lo = checked_add(lo, span);
-    else hi = checked_add(hi, span);
-  }
-  e.lo = lo;
-  e.hi = checked_add(hi, arr.itemsize());
-  return e;
-}
-
-// Checks that for every bh, the 2-D block base + off[bh] + r*stride_r + c*stride_c (r < rows,
-// c < cols, elements of `itemsize` bytes) lies inside `arr`.
-void check_block(const char* name, const py::array& arr, const int64_t* off, int64_t count, int64_t rows,
-                 int64_t stride_r, int64_t cols, int64_t stride_c) {
-  if (rows == 0 || cols == 0 || count == 0) return;
-  const Extent e = extent_of(arr);
-  if (e.empty) fail(std::string(name) + ": empty array cannot supply the requested rows");
-  const int64_t item = arr.itemsize();
-  const int64_t span_r = checked_mul(rows - 1, stride_r), span_c = checked_mul(cols - 1, stride_c);
-  const int64_t min_rel = (span_r < 0 ? span_r : 0) + (span_c < 0 ? span_c : 0);
-  const int64_t max_rel = (span_r > 0 ? span_r : 0) + (span_c > 0 ? span_c : 0);
-  for (int64_t n = 0; n < count; ++n) {
-    const int64_t lo = checked_mul(checked_add(off[n], min_rel), item);
-    const int64_t hi = checked_add(checked_mul(checked_add(off[n], max_rel), item), item);
-    if (lo < e.lo || hi > e.hi) fail(std::string(name) + ": offsets/strides reach outside the array");
-  }
-}
-
-bool is_float32(const py::array& a) { return a.dtype().is(py::dtype::of<float>()); }
-bool is_float64(const py::array& a) { return a.dtype().is(py::dtype::of<double>()); }
-bool is_bool(const py::array& a) { return a.dtype().kind() == 'b' && a.itemsize() == 1; }
-bool is_int64(const py::array& a) { return a.dtype().is(py::dtype::of<int64_t>()); }
-
-void check_aligned(const char* name, const py::array& arr) {
-  if (arr.size() == 0) return;  // nothing is read from an empty array
-  const int64_t item = arr.itemsize();
-  if (reinterpret_cast<uintptr_t>(arr.data()) % uintptr_t(item) != 0)
-    fail(std::string(name) + ": data pointer is not aligned to its element size");
-  for (py::ssize_t d = 0; d < arr.ndim(); ++d)
-    if (arr.shape(d) > 1 && arr.strides(d) % item != 0) fail(std::string(name) + ": strides must be multiples of the element size");
-}
-
-void check_output(const char* name, const py::array& arr, const py::dtype& dt, int64_t expected_size) {
-  if (!arr.dtype().is(dt)) fail(std::string(name) + ": dtype must match the inputs");
-  if (!(arr.flags() & py::array::c_style)) fail(std::string(name) + ": must be C-contiguous");
-  if (!arr.writeable()) fail(std::string(name) + ": must be writeable");
-  if (arr.size() != expected_size) fail(std::string(name) + ": wrong number of elements");
-}
-
-// A mask operand after its checks: bool (uint8) or the inputs' float dtype, every (bh, i, j) the kernel
-// will read inside the array.
-template <class T>
-MaskSlot mask_slot(const char* name, const py::object& obj, const py::dtype& dt, const int64_t* offset,
-                   int64_t stride_l, int64_t stride_s, bool true_forbids, int64_t batch_heads, int64_t q_len,
-                   int64_t kv_len) {
-  MaskSlot m;
-  if (obj.is_none()) return m;
-  const py::array mask = py::reinterpret_borrow<py::array>(obj);
-  if (is_bool(mask)) m.kind = MaskKind::boolean;
-  else if (mask.dtype().is(dt)) m.kind = MaskKind::additive;
-  else fail(std::string(name) + ": dtype must be bool or the inputs' dtype");
-  check_aligned(name, mask);
-  check_block(name, mask, offset, batch_heads, q_len, stride_l, kv_len, stride_s);
-  m.data = mask.data();
-  m.true_forbids = true_forbids;
-  m.offset = offset;
-  m.stride_l = stride_l;
-  m.stride_s = stride_s;
-  return m;
-}
 
 template <class T>
 void run_sdpa(const py::array& q, const py::array& k, const py::array& v, const py::object& mask_obj,
@@ -423,173 +313,6 @@ py::object sdpa_simple(const py::object& q_obj, const py::object& k_obj, const p
   return py::none();
 }
 
-template <class T>
-py::array_t<T> pack_weights_t(const py::array& w) {
-  const KernelSet<T>& ks = active_set<T>();
-  const int64_t n = w.shape(0), k = w.shape(1), panel = ks.gemm_panel;
-  const int64_t panels = (n + panel - 1) / panel;
-  py::array_t<T> packed(std::vector<py::ssize_t>{py::ssize_t(checked_mul(checked_mul(panels, k), panel))});
-  check_aligned("weight", w);
-  if (w.size() > 0 && k > 1 && w.strides(1) != py::ssize_t(sizeof(T))) fail("weight: last axis must be contiguous");
-  const T* src = static_cast<const T*>(w.data());
-  T* dst = packed.mutable_data();
-  const int64_t w_stride = n > 1 ? w.strides(0) / int64_t(sizeof(T)) : 0;
-  py::gil_scoped_release release;
-  pack_weights<T>(src, w_stride, n, k, panel, dst);
-  return packed;
-}
-
-// Packs a (n, k) weight for the active ISA's GEMM; returns (packed, panel).
-py::tuple pack_weights_py(const py::array& w) {
-  if (w.ndim() != 2) fail("weight: expected a 2-D array (out_features, in_features)");
-  if (is_float32(w)) return py::make_tuple(pack_weights_t<float>(w), active_set<float>().gemm_panel);
-  if (is_float64(w)) return py::make_tuple(pack_weights_t<double>(w), active_set<double>().gemm_panel);
-  fail("weight: dtype must be float32 or float64");
-}
-
-template <class T>
-void linear_t(const py::array& x, const py::array& packed, int64_t panel, int64_t n, const py::object& bias_obj,
-              py::array& out, int num_threads) {
-  const KernelSet<T>& ks = active_set<T>();
-  if (panel != ks.gemm_panel) fail("packed weight was packed for another ISA; pack it again");
-  if (x.ndim() != 2 || out.ndim() != 2) fail("x and out must be 2-D");
-  const int64_t m = x.shape(0), k = x.shape(1);
-  if (out.shape(0) != m || out.shape(1) != n) fail("out: shape must be (m, n)");
-  if (!packed.dtype().is(x.dtype()) || !out.dtype().is(x.dtype())) fail("packed and out must share x's dtype");
-  if (packed.ndim() != 1 || packed.size() != checked_mul(checked_mul((n + panel - 1) / panel, k), panel) ||
-      !(packed.flags() & py::array::c_style))
-    fail("packed: size does not match (n, k)");
-  check_aligned("x", x);
-  if (x.size() > 0 && k > 1 && x.strides(1) != py::ssize_t(sizeof(T))) fail("x: last axis must be contiguous");
-  if (!(out.flags() & py::array::c_style) || !out.writeable()) fail("out: must be C-contiguous and writeable");
-  GemmArgs<T> g;
-  g.a = static_cast<const T*>(x.data());
-  g.a_stride = m > 1 ? x.strides(0) / int64_t(sizeof(T)) : 0;
-  g.packed = static_cast<const T*>(packed.data());
-  if (!bias_obj.is_none()) {
-    const py::array bias = py::reinterpret_borrow<py::array>(bias_obj);
-    if (!bias.dtype().is(x.dtype()) || bias.ndim() != 1 || bias.shape(0) != n || !(bias.flags() & py::array::c_style))
-      fail("bias: expected a contiguous 1-D array of n elements and x's dtype");
-    g.bias = static_cast<const T*>(bias.data());
-  }
-  g.c = static_cast<T*>(out.mutable_data());
-  g.c_stride = n;
-  g.m = m;
-  g.n = n;
-  g.k = k;
-  py::gil_scoped_release release;
-  linear<T>(g, num_threads);
-}
-
-void linear_py(const py::array& x, const py::array& packed, int64_t panel, int64_t n, const py::object& bias,
-               py::array out, int num_threads) {
-  if (is_float32(x)) return linear_t<float>(x, packed, panel, n, bias, out, num_threads);
-  if (is_float64(x)) return linear_t<double>(x, packed, panel, n, bias, out, num_threads);
-  fail("x: dtype must be float32 or float64");
-}
-
-// A row matrix input (rows, cols) of the MHA: 2-D, dtype T, last axis contiguous; returns its row stride.
-template <class T>
-int64_t row_matrix(const char* name, const py::array& x, int64_t rows, int64_t cols) {
-  if (x.ndim() != 2 || x.shape(0) != rows || x.shape(1) != cols) fail(std::string(name) + ": wrong shape");
-  if (!x.dtype().is(py::dtype::of<T>())) fail(std::string(name) + ": wrong dtype");
-  check_aligned(name, x);
-  if (cols > 1 && x.strides(1) != py::ssize_t(sizeof(T))) fail(std::string(name) + ": last axis must be contiguous");
-  return rows > 1 ? x.strides(0) / int64_t(sizeof(T)) : 0;
-}
-
-template <class T>
-const T* packed_weight(const char* name, const py::array& p, int64_t n, int64_t k) {
-  const int64_t panel = active_set<T>().gemm_panel;
-  if (!p.dtype().is(py::dtype::of<T>()) || p.ndim() != 1 || !(p.flags() & py::array::c_style) ||
-      p.size() != checked_mul(checked_mul((n + panel - 1) / panel, k), panel))
-    fail(std::string(name) + ": packed weight does not match its shape or the active ISA; pack it again");
-  return static_cast<const T*>(p.data());
-}
-
-template <class T>
-const T* optional_bias(const char* name, const py::object& obj, int64_t n) {
-  if (obj.is_none()) return nullptr;
-  const py::array b = py::reinterpret_borrow<py::array>(obj);
-  if (!b.dtype().is(py::dtype::of<T>()) || b.ndim() != 1 || b.shape(0) != n || !(b.flags() & py::array::c_style))
-    fail(std::string(name) + ": expected a contiguous 1-D array of " + std::to_string(n) + " elements");
-  return static_cast<const T*>(b.data());
-}
-
-template <class T>
-void run_mha(const py::array& xq, const py::array& xk, const py::array& xv, const py::tuple& w,
-             const std::vector<int64_t>& dims, const py::list& masks, int64_t causal, int64_t causal_offset,
-             py::array& out, const py::object& weights_obj, int num_threads) {
-  MhaArgs<T> m;
-  m.batch = dims[0];
-  m.q_len = dims[1];
-  m.kv_len = dims[2];
-  m.embed_dim = dims[3];
-  m.kdim = dims[4];
-  m.vdim = dims[5];
-  m.num_heads = dims[6];
-  m.num_kv_heads = dims[7];
-  m.head_dim = dims[8];
-  for (int64_t d : dims)
-    if (d < 0) fail("dims must be non-negative");
-  if (m.num_heads < 1 || m.num_kv_heads < 1 || m.num_heads % m.num_kv_heads != 0)
-    fail("num_heads must be a positive multiple of num_kv_heads");
-  if (m.num_heads * m.head_dim != m.embed_dim) fail("num_heads * head_dim must equal embed_dim");
-  const int64_t q_rows = checked_mul(m.batch, m.q_len), kv_rows = checked_mul(m.batch, m.kv_len);
-  m.xq_stride = row_matrix<T>("query", xq, q_rows, m.embed_dim);
-  m.xk_stride = row_matrix<T>("key", xk, kv_rows, m.kdim);
-  m.xv_stride = row_matrix<T>("value", xv, kv_rows, m.vdim);
-  m.xq = static_cast<const T*>(xq.data());
-  m.xk = static_cast<const T*>(xk.data());
-  m.xv = static_cast<const T*>(xv.data());
-  if (w.size() != 8) fail("weights must be a tuple of 8 entries");
-  const int64_t kv_width = checked_mul(m.num_kv_heads, m.head_dim);
-  m.packed_q = packed_weight<T>("q_proj_weight", w[0].cast<py::array>(), m.embed_dim, m.embed_dim);
-  m.packed_k = packed_weight<T>("k_proj_weight", w[1].cast<py::array>(), kv_width, m.kdim);
-  m.packed_v = packed_weight<T>("v_proj_weight", w[2].cast<py::array>(), kv_width, m.vdim);
-  m.packed_o = packed_weight<T>("out_proj_weight", w[3].cast<py::array>(), m.embed_dim, m.embed_dim);
-  m.bias_q = optional_bias<T>("q_proj_bias", w[4], m.embed_dim);
-  m.bias_k = optional_bias<T>("k_proj_bias", w[5], kv_width);
-  m.bias_v = optional_bias<T>("v_proj_bias", w[6], kv_width);
-  m.bias_o = optional_bias<T>("out_proj_bias", w[7], m.embed_dim);
-
-  const int64_t batch_heads = checked_mul(m.batch, m.num_heads);
-  if (masks.size() > 2) fail("at most two masks");
-  std::vector<py::array_t<int64_t>> keep;  // offsets arrays stay referenced by `masks`
-  for (size_t x = 0; x < masks.size(); ++x) {
-    const py::tuple t = masks[x].cast<py::tuple>();
-    if (t.size() != 6) fail("mask entries are (name, array, offsets, stride_l, stride_s, true_forbids)");
-    const std::string name = t[0].cast<std::string>();
-    const py::array_t<int64_t> offsets = t[2].cast<py::array_t<int64_t>>();
-    if (offsets.ndim() != 1 || offsets.shape(0) != batch_heads || !(offsets.flags() & py::array::c_style))
-      fail(name + ": offsets must be a contiguous int64 array of batch * num_heads entries");
-    keep.push_back(offsets);
-    m.masks[x] = mask_slot<T>(name.c_str(), t[1], py::dtype::of<T>(), keep.back().data(), t[3].cast<int64_t>(),
-                              t[4].cast<int64_t>(), t[5].cast<bool>(), batch_heads, m.q_len, m.kv_len);
-  }
-  m.causal = causal != 0;
-  m.causal_offset = causal_offset;
-  check_output("out", out, py::dtype::of<T>(), checked_mul(q_rows, m.embed_dim));
-  m.out = static_cast<T*>(out.mutable_data());
-  if (!weights_obj.is_none()) {
-    py::array weights = py::reinterpret_borrow<py::array>(weights_obj);
-    check_output("weights", weights, py::dtype::of<T>(), checked_mul(checked_mul(batch_heads, m.q_len), m.kv_len));
-    m.weights = static_cast<T*>(weights.mutable_data());
-  }
-  if (num_threads < 0) fail("num_threads must be >= 1 (or 0 for the default)");
-  py::gil_scoped_release release;
-  multi_head_attention<T>(m, num_threads);
-}
-
-void mha_py(const py::array& xq, const py::array& xk, const py::array& xv, const py::tuple& w,
-            const std::vector<int64_t>& dims, const py::list& masks, int64_t causal, int64_t causal_offset,
-            py::array out, const py::object& weights, int num_threads) {
-  if (dims.size() != 9) fail("dims must have 9 entries");
-  if (is_float32(xq)) return run_mha<float>(xq, xk, xv, w, dims, masks, causal, causal_offset, out, weights, num_threads);
-  if (is_float64(xq)) return run_mha<double>(xq, xk, xv, w, dims, masks, causal, causal_offset, out, weights, num_threads);
-  fail("query: dtype must be float32 or float64");
-}
-
 std::vector<std::string> isa_list() {
   const char* names[8];
   const int n = available_isas(names, 8);
@@ -626,6 +349,9 @@ void apply_env_isa() {
 }
 
 }  // namespace
+
+void bind_mha(py::module_& m);  // bindings_mha.cpp
+
 }  // namespace pyattn
 
 PYBIND11_MODULE(_core, m) {
@@ -642,13 +368,7 @@ PYBIND11_MODULE(_core, m) {
         py::arg("enable_gqa"), py::arg("scale"), py::arg("num_threads"), py::arg("attn_mask") = py::none(), py::arg("out") = py::none(),
         "scaled_dot_product_attention for plain q/k/v only (0/1/2 = no/upper-left/lower-right causal); "
         "None when the call needs the general path.");
-  m.def("pack_weights", &pack_weights_py, py::arg("weight"),
-        "Pack a (out_features, in_features) weight for the active ISA's GEMM; returns (packed, panel).");
-  m.def("linear", &linear_py, py::arg("x"), py::arg("packed"), py::arg("panel"), py::arg("n"), py::arg("bias"),
-        py::arg("out"), py::arg("num_threads"), "out = x @ W.T + bias with W packed by pack_weights.");
-  m.def("mha", &mha_py, py::arg("xq"), py::arg("xk"), py::arg("xv"), py::arg("weights"), py::arg("dims"),
-        py::arg("masks"), py::arg("causal"), py::arg("causal_offset"), py::arg("out"), py::arg("attn_weights"),
-        py::arg("num_threads"), "Low-level multi-head attention entry; arguments prepared by pyattn._mha.");
+  bind_mha(m);
   m.def("isa", []() { return std::string(active_isa()); }, "Name of the kernel ISA in use.");
   m.def("available_isas", &isa_list, "ISAs compiled into this build and supported by this CPU, worst to best.");
   m.def(

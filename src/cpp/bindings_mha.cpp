@@ -1,0 +1,200 @@
+// SPDX-License-Identifier: MIT
+// The _core entries of the projections' GEMM and of the multi-head layer (pack_weights, linear, mha):
+// translators like bindings.cpp's, from arrays prepared by pyattn._mha to GemmArgs / MhaArgs, with
+// the same invariant checks (binding_checks.h) before the GIL is released.
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "attention.h"
+#include "binding_checks.h"
+
+namespace pyattn {
+namespace {
+
+template <class T>
+py::array_t<T> pack_weights_t(const py::array& w) {
+  const KernelSet<T>& ks = active_set<T>();
+  const int64_t n = w.shape(0), k = w.shape(1), panel = ks.gemm_panel;
+  const int64_t panels = (n + panel - 1) / panel;
+  py::array_t<T> packed(std::vector<py::ssize_t>{py::ssize_t(checked_mul(checked_mul(panels, k), panel))});
+  check_aligned("weight", w);
+  if (w.size() > 0 && k > 1 && w.strides(1) != py::ssize_t(sizeof(T))) fail("weight: last axis must be contiguous");
+  const T* src = static_cast<const T*>(w.data());
+  T* dst = packed.mutable_data();
+  const int64_t w_stride = n > 1 ? w.strides(0) / int64_t(sizeof(T)) : 0;
+  py::gil_scoped_release release;
+  pack_weights<T>(src, w_stride, n, k, panel, dst);
+  return packed;
+}
+
+// Packs a (n, k) weight for the active ISA's GEMM; returns (packed, panel).
+py::tuple pack_weights_py(const py::array& w) {
+  if (w.ndim() != 2) fail("weight: expected a 2-D array (out_features, in_features)");
+  if (is_float32(w)) return py::make_tuple(pack_weights_t<float>(w), active_set<float>().gemm_panel);
+  if (is_float64(w)) return py::make_tuple(pack_weights_t<double>(w), active_set<double>().gemm_panel);
+  fail("weight: dtype must be float32 or float64");
+}
+
+template <class T>
+void linear_t(const py::array& x, const py::array& packed, int64_t panel, int64_t n, const py::object& bias_obj,
+              py::array& out, int num_threads) {
+  const KernelSet<T>& ks = active_set<T>();
+  if (panel != ks.gemm_panel) fail("packed weight was packed for another ISA; pack it again");
+  if (x.ndim() != 2 || out.ndim() != 2) fail("x and out must be 2-D");
+  const int64_t m = x.shape(0), k = x.shape(1);
+  if (out.shape(0) != m || out.shape(1) != n) fail("out: shape must be (m, n)");
+  if (!packed.dtype().is(x.dtype()) || !out.dtype().is(x.dtype())) fail("packed and out must share x's dtype");
+  if (packed.ndim() != 1 || packed.size() != checked_mul(checked_mul((n + panel - 1) / panel, k), panel) ||
+      !(packed.flags() & py::array::c_style))
+    fail("packed: size does not match (n, k)");
+  check_aligned("x", x);
+  if (x.size() > 0 && k > 1 && x.strides(1) != py::ssize_t(sizeof(T))) fail("x: last axis must be contiguous");
+  if (!(out.flags() & py::array::c_style) || !out.writeable()) fail("out: must be C-contiguous and writeable");
+  GemmArgs<T> g;
+  g.a = static_cast<const T*>(x.data());
+  g.a_stride = m > 1 ? x.strides(0) / int64_t(sizeof(T)) : 0;
+  g.packed = static_cast<const T*>(packed.data());
+  if (!bias_obj.is_none()) {
+    const py::array bias = py::reinterpret_borrow<py::array>(bias_obj);
+    if (!bias.dtype().is(x.dtype()) || bias.ndim() != 1 || bias.shape(0) != n || !(bias.flags() & py::array::c_style))
+      fail("bias: expected a contiguous 1-D array of n elements and x's dtype");
+    g.bias = static_cast<const T*>(bias.data());
+  }
+  g.c = static_cast<T*>(out.mutable_data());
+  g.c_stride = n;
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  py::gil_scoped_release release;
+  linear<T>(g, num_threads);
+}
+
+void linear_py(const py::array& x, const py::array& packed, int64_t panel, int64_t n, const py::object& bias,
+               py::array out, int num_threads) {
+  if (is_float32(x)) return linear_t<float>(x, packed, panel, n, bias, out, num_threads);
+  if (is_float64(x)) return linear_t<double>(x, packed, panel, n, bias, out, num_threads);
+  fail("x: dtype must be float32 or float64");
+}
+
+// A row matrix input (rows, cols) of the MHA: 2-D, dtype T, last axis contiguous; returns its row stride.
+template <class T>
+int64_t row_matrix(const char* name, const py::array& x, int64_t rows, int64_t cols) {
+  if (x.ndim() != 2 || x.shape(0) != rows || x.shape(1) != cols) fail(std::string(name) + ": wrong shape");
+  if (!x.dtype().is(py::dtype::of<T>())) fail(std::string(name) + ": wrong dtype");
+  check_aligned(name, x);
+  if (cols > 1 && x.strides(1) != py::ssize_t(sizeof(T))) fail(std::string(name) + ": last axis must be contiguous");
+  return rows > 1 ? x.strides(0) / int64_t(sizeof(T)) : 0;
+}
+
+template <class T>
+const T* packed_weight(const char* name, const py::array& p, int64_t n, int64_t k) {
+  const int64_t panel = active_set<T>().gemm_panel;
+  if (!p.dtype().is(py::dtype::of<T>()) || p.ndim() != 1 || !(p.flags() & py::array::c_style) ||
+      p.size() != checked_mul(checked_mul((n + panel - 1) / panel, k), panel))
+    fail(std::string(name) + ": packed weight does not match its shape or the active ISA; pack it again");
+  return static_cast<const T*>(p.data());
+}
+
+template <class T>
+const T* optional_bias(const char* name, const py::object& obj, int64_t n) {
+  if (obj.is_none()) return nullptr;
+  const py::array b = py::reinterpret_borrow<py::array>(obj);
+  if (!b.dtype().is(py::dtype::of<T>()) || b.ndim() != 1 || b.shape(0) != n || !(b.flags() & py::array::c_style))
+    fail(std::string(name) + ": expected a contiguous 1-D array of " + std::to_string(n) + " elements");
+  return static_cast<const T*>(b.data());
+}
+
+template <class T>
+void run_mha(const py::array& xq, const py::array& xk, const py::array& xv, const py::tuple& w,
+             const std::vector<int64_t>& dims, const py::list& masks, int64_t causal, int64_t causal_offset,
+             py::array& out, const py::object& weights_obj, int num_threads) {
+  MhaArgs<T> m;
+  m.batch = dims[0];
+  m.q_len = dims[1];
+  m.kv_len = dims[2];
+  m.embed_dim = dims[3];
+  m.kdim = dims[4];
+  m.vdim = dims[5];
+  m.num_heads = dims[6];
+  m.num_kv_heads = dims[7];
+  m.head_dim = dims[8];
+  for (int64_t d : dims)
+    if (d < 0) fail("dims must be non-negative");
+  if (m.num_heads < 1 || m.num_kv_heads < 1 || m.num_heads % m.num_kv_heads != 0)
+    fail("num_heads must be a positive multiple of num_kv_heads");
+  if (m.num_heads * m.head_dim != m.embed_dim) fail("num_heads * head_dim must equal embed_dim");
+  const int64_t q_rows = checked_mul(m.batch, m.q_len), kv_rows = checked_mul(m.batch, m.kv_len);
+  m.xq_stride = row_matrix<T>("query", xq, q_rows, m.embed_dim);
+  m.xk_stride = row_matrix<T>("key", xk, kv_rows, m.kdim);
+  m.xv_stride = row_matrix<T>("value", xv, kv_rows, m.vdim);
+  m.xq = static_cast<const T*>(xq.data());
+  m.xk = static_cast<const T*>(xk.data());
+  m.xv = static_cast<const T*>(xv.data());
+  if (w.size() != 8) fail("weights must be a tuple of 8 entries");
+  const int64_t kv_width = checked_mul(m.num_kv_heads, m.head_dim);
+  m.packed_q = packed_weight<T>("q_proj_weight", w[0].cast<py::array>(), m.embed_dim, m.embed_dim);
+  m.packed_k = packed_weight<T>("k_proj_weight", w[1].cast<py::array>(), kv_width, m.kdim);
+  m.packed_v = packed_weight<T>("v_proj_weight", w[2].cast<py::array>(), kv_width, m.vdim);
+  m.packed_o = packed_weight<T>("out_proj_weight", w[3].cast<py::array>(), m.embed_dim, m.embed_dim);
+  m.bias_q = optional_bias<T>("q_proj_bias", w[4], m.embed_dim);
+  m.bias_k = optional_bias<T>("k_proj_bias", w[5], kv_width);
+  m.bias_v = optional_bias<T>("v_proj_bias", w[6], kv_width);
+  m.bias_o = optional_bias<T>("out_proj_bias", w[7], m.embed_dim);
+
+  const int64_t batch_heads = checked_mul(m.batch, m.num_heads);
+  if (masks.size() > 2) fail("at most two masks");
+  std::vector<py::array_t<int64_t>> keep;  // offsets arrays stay referenced by `masks`
+  for (size_t x = 0; x < masks.size(); ++x) {
+    const py::tuple t = masks[x].cast<py::tuple>();
+    if (t.size() != 6) fail("mask entries are (name, array, offsets, stride_l, stride_s, true_forbids)");
+    const std::string name = t[0].cast<std::string>();
+    const py::array_t<int64_t> offsets = t[2].cast<py::array_t<int64_t>>();
+    if (offsets.ndim() != 1 || offsets.shape(0) != batch_heads || !(offsets.flags() & py::array::c_style))
+      fail(name + ": offsets must be a contiguous int64 array of batch * num_heads entries");
+    keep.push_back(offsets);
+    m.masks[x] = mask_slot<T>(name.c_str(), t[1], py::dtype::of<T>(), keep.back().data(), t[3].cast<int64_t>(),
+                              t[4].cast<int64_t>(), t[5].cast<bool>(), batch_heads, m.q_len, m.kv_len);
+  }
+  m.causal = causal != 0;
+  m.causal_offset = causal_offset;
+  check_output("out", out, py::dtype::of<T>(), checked_mul(q_rows, m.embed_dim));
+  m.out = static_cast<T*>(out.mutable_data());
+  if (!weights_obj.is_none()) {
+    py::array weights = py::reinterpret_borrow<py::array>(weights_obj);
+    check_output("weights", weights, py::dtype::of<T>(), checked_mul(checked_mul(batch_heads, m.q_len), m.kv_len));
+    m.weights = static_cast<T*>(weights.mutable_data());
+  }
+  if (num_threads < 0) fail("num_threads must be >= 1 (or 0 for the default)");
+  py::gil_scoped_release release;
+  multi_head_attention<T>(m, num_threads);
+}
+
+void mha_py(const py::array& xq, const py::array& xk, const py::array& xv, const py::tuple& w,
+            const std::vector<int64_t>& dims, const py::list& masks, int64_t causal, int64_t causal_offset,
+            py::array out, const py::object& weights, int num_threads) {
+  if (dims.size() != 9) fail("dims must have 9 entries");
+  if (is_float32(xq)) return run_mha<float>(xq, xk, xv, w, dims, masks, causal, causal_offset, out, weights, num_threads);
+  if (is_float64(xq)) return run_mha<double>(xq, xk, xv, w, dims, masks, causal, causal_offset, out, weights, num_threads);
+  fail("query: dtype must be float32 or float64");
+}
+
+}  // namespace
+
+// The GEMM and multi-head layer entries of the _core module.
+void bind_mha(py::module_& m) {
+  m.def("pack_weights", &pack_weights_py, py::arg("weight"),
+        "Pack a (out_features, in_features) weight for the active ISA's GEMM; returns (packed, panel).");
+  m.def("linear", &linear_py, py::arg("x"), py::arg("packed"), py::arg("panel"), py::arg("n"), py::arg("bias"),
+        py::arg("out"), py::arg("num_threads"), "out = x @ W.T + bias with W packed by pack_weights.");
+  m.def("mha", &mha_py, py::arg("xq"), py::arg("xk"), py::arg("xv"), py::arg("weights"), py::arg("dims"),
+        py::arg("masks"), py::arg("causal"), py::arg("causal_offset"), py::arg("out"), py::arg("attn_weights"),
+        py::arg("num_threads"), "Low-level multi-head attention entry; arguments prepared by pyattn._mha.");
+}
+
+}  // namespace pyattn
