@@ -360,13 +360,21 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
   // going: every item then prefetches the rows of its thread's next item (Q, K, V and output rows)
   // into L2, spread over its own score steps. Measured (B x 12 heads x L x 64, float32, Zen 4):
   // B = 64, L = 64 one thread 66 -> 82 GFLOP/s, two 115 -> 138-155; B = 32, L = 128 82 -> 91 and
-  // 138 -> 158-175. Not where the arrays fit the last-level cache (B = 8, L = 64: 6% slower), nor
+  // 138 -> 158-175. Not where the arrays stay cached between calls (B = 8, L = 64: 6% slower), nor
   // where an item's rows would take more than half of L2 (they would evict the current item's).
+  // "Cached" is half of the last-level cache: the L3 is shared with other cores (on a cloud VM with
+  // other tenants), and a call's arrays must survive there next to the caller's data. Measured on a
+  // 2-vCPU Zen 4 VM with a 32 MiB L3 (q, k, v and out together, B x 12 x L x 64; one / two
+  // threads): at 4.5-9 MiB the arrays stayed cached (prefetching 3-17% slower); at 18 MiB (B = 48,
+  // L = 32) prefetching was 1.52x / 1.56x faster, at 24 MiB (B = 64, L = 32) 1.3-1.9x over three
+  // alternating runs; these went without it when the threshold was the whole L3. At 12 MiB it
+  // depends on the neighbours' use of the L3 at the time (0.8x-1.36x across runs), so it stays off.
+  // (A streaming read of one buffer here drops from L3 to memory speed between 16 and 24 MiB.)
   const int64_t item_bytes = block_rows * (a.head_dim + a.value_dim) * int64_t(sizeof(T)) +
                              std::min(a.kv_len, split.chunk) * kv_row_bytes;
   const int64_t call_bytes = a.batch_heads * a.q_len * (a.head_dim + a.value_dim) * int64_t(sizeof(T)) +
                              kv_heads * a.kv_len * kv_row_bytes;
-  const bool prefetch_items = prefetch_mode < 0 ? !a.prefetch_kv && l2 > 0 && call_bytes >= llc && item_bytes <= l2 / 2
+  const bool prefetch_items = prefetch_mode < 0 ? !a.prefetch_kv && l2 > 0 && 2 * call_bytes >= llc && item_bytes <= l2 / 2
                                                 : prefetch_mode == 2;
   std::vector<ItemPrefetch> next_items(prefetch_items ? size_t(threads) : 0);
 
