@@ -71,7 +71,7 @@ def test_block_boundaries(isa, dtype, rng, q_len, kv_len):
 
 
 # Query tiles run with as few row vectors as hold their rows (1 .. row_vecs: 16..64 rows on AVX-512
-# float32, 8..32 float64, 8..16 on AVX2): q_len past the decode kernel's limit but short of a block,
+# float32, 8..32 float64; AVX2: 8..24 float32, 4..12 float64): q_len past the decode kernel's limit but short of a block,
 # and whole blocks plus a remainder of every width, for every ISA and dtype; boolean mask with a
 # lower-right causal limit, and the weights (written by the same tile width).
 @pytest.mark.parametrize(

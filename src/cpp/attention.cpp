@@ -59,8 +59,6 @@ std::atomic<int64_t> g_packed_mask_limit{kMaxPackedMaskBytes};
 std::atomic<int> g_prefetch{-1};  // set_prefetch: -1 by cache sizes, 0 never, 1 K/V rows, 2 next items
 std::atomic<int> g_group_tiles{1};  // set_group_tiles: 1 GQA groups' heads together, 0 head by head
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 size_t padded(size_t elems, size_t elem_size) {
   const size_t per_line = kAlign / elem_size;
   return (elems + per_line - 1) / per_line * per_line;

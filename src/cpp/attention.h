@@ -14,6 +14,9 @@
 
 namespace pyattn {
 
+// ceil(a / b) for a >= 0, b > 0: items of b needed to cover a.
+constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 enum class MaskKind : int { none = 0, boolean = 1, additive = 2 };
 
 // How K and V are stored: in the compute type T, or as 16-bit floats (IEEE half or bfloat16) that

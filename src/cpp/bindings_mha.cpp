@@ -17,12 +17,16 @@
 namespace pyattn {
 namespace {
 
+// Elements of a (n, k) weight packed in panels of `panel` columns (pack_weights), checked for overflow.
+int64_t packed_elems(int64_t n, int64_t k, int64_t panel) {
+  return checked_mul(checked_mul(ceil_div(n, panel), k), panel);
+}
+
 template <class T>
 py::array_t<T> pack_weights_t(const py::array& w) {
   const KernelSet<T>& ks = active_set<T>();
   const int64_t n = w.shape(0), k = w.shape(1), panel = ks.gemm_panel;
-  const int64_t panels = (n + panel - 1) / panel;
-  py::array_t<T> packed(std::vector<py::ssize_t>{py::ssize_t(checked_mul(checked_mul(panels, k), panel))});
+  py::array_t<T> packed(std::vector<py::ssize_t>{py::ssize_t(packed_elems(n, k, panel))});
   check_aligned("weight", w);
   if (w.size() > 0 && k > 1 && w.strides(1) != py::ssize_t(sizeof(T))) fail("weight: last axis must be contiguous");
   const T* src = static_cast<const T*>(w.data());
@@ -50,7 +54,7 @@ void linear_t(const py::array& x, const py::array& packed, int64_t panel, int64_
   const int64_t m = x.shape(0), k = x.shape(1);
   if (out.shape(0) != m || out.shape(1) != n) fail("out: shape must be (m, n)");
   if (!packed.dtype().is(x.dtype()) || !out.dtype().is(x.dtype())) fail("packed and out must share x's dtype");
-  if (packed.ndim() != 1 || packed.size() != checked_mul(checked_mul((n + panel - 1) / panel, k), panel) ||
+  if (packed.ndim() != 1 || packed.size() != packed_elems(n, k, panel) ||
       !(packed.flags() & py::array::c_style))
     fail("packed: size does not match (n, k)");
   check_aligned("x", x);
@@ -96,7 +100,7 @@ template <class T>
 const T* packed_weight(const char* name, const py::array& p, int64_t n, int64_t k) {
   const int64_t panel = active_set<T>().gemm_panel;
   if (!p.dtype().is(py::dtype::of<T>()) || p.ndim() != 1 || !(p.flags() & py::array::c_style) ||
-      p.size() != checked_mul(checked_mul((n + panel - 1) / panel, k), panel))
+      p.size() != packed_elems(n, k, panel))
     fail(std::string(name) + ": packed weight does not match its shape or the active ISA; pack it again");
   return static_cast<const T*>(p.data());
 }

@@ -20,7 +20,7 @@ constexpr int64_t kTilesPerTask = 16;
 
 template <class T>
 void pack_weights(const T* w, int64_t w_stride, int64_t n, int64_t k, int64_t panel, T* packed) {
-  const int64_t panels = (n + panel - 1) / panel;
+  const int64_t panels = ceil_div(n, panel);
   for (int64_t p = 0; p < panels; ++p) {
     T* dst = packed + p * k * panel;
     for (int64_t c = 0; c < panel; ++c) {
@@ -39,9 +39,9 @@ template <class T>
 void linear(const GemmArgs<T>& g, int num_threads) {
   if (g.m == 0 || g.n == 0) return;
   const KernelSet<T>& ks = active_set<T>();
-  const int64_t panels = (g.n + ks.gemm_panel - 1) / ks.gemm_panel;
+  const int64_t panels = ceil_div(g.n, ks.gemm_panel);
   const int64_t rows_per_task = kTilesPerTask * ks.gemm_rows;
-  const int64_t row_blocks = (g.m + rows_per_task - 1) / rows_per_task;
+  const int64_t row_blocks = ceil_div(g.m, rows_per_task);
   const int64_t tasks = panels * row_blocks;
   auto body = [&](int64_t t) {
     const int64_t rb = t / panels, p = t % panels;

@@ -115,7 +115,7 @@ uint64_t xor_bytes(const unsigned char* p, int64_t bytes) {
 
 // Thread c's part [lo, hi) of `bytes` split `threads` ways at 64-byte (cache line) boundaries.
 std::pair<int64_t, int64_t> thread_part(int64_t bytes, int threads, int64_t c) {
-  const int64_t share = (bytes + threads - 1) / threads, per = (share + 63) / 64 * 64;
+  const int64_t per = ceil_div(ceil_div(bytes, threads), 64) * 64;
   return {std::min(bytes, c * per), std::min(bytes, (c + 1) * per)};
 }
 
