@@ -260,9 +260,10 @@ struct KernelTable {
   const char* name;
   KernelSet<float> f32;
   KernelSet<double> f64;
-  // Machine ceiling for the benchmark: a register-only FMA loop (returns flops done). The read
-  // ceiling (read_buffers_gbs, machine.cpp) needs no ISA-specific code.
+  // Machine ceilings for the benchmark (machine.cpp): a register-only FMA loop (returns flops done),
+  // and the XOR of `bytes` bytes read with this ISA's widest loads.
   double (*fma_loop)(int64_t iterations);
+  uint64_t (*xor_bytes)(const unsigned char* p, int64_t bytes);
   // Boolean mask rows to bits for MaskSlot::bits: `rows` rows of kv_len bytes (element (i, j) at
   // data[i * stride_l + j * stride_s]) into words_per_row = ceil(kv_len / 64) words each.
   void (*pack_mask)(const uint8_t* data, int64_t stride_l, int64_t stride_s, bool true_forbids, int64_t rows,

@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: MIT
-// The machine's ceilings, measured for the benchmarks (bench/): the FMA peak of the best ISA's
-// kernels (KernelTable::fma_loop on every thread) and the read bandwidth of memory (an XOR over a
-// buffer, or over the caller's own arrays, split across threads at cache-line boundaries). A
-// benchmark quotes pyattn's speed as a fraction of these, measured in the same run.
+// The machine's ceilings, measured for the benchmarks (bench/) with the active ISA's kernels: the
+// FMA peak (KernelTable::fma_loop on every thread) and the read bandwidth of memory
+// (KernelTable::xor_bytes over a buffer, or over the caller's own arrays, split across threads at
+// cache-line boundaries). A benchmark quotes pyattn's speed as a fraction of these, measured in the
+// same run.
 
 #include <algorithm>
 #include <chrono>
@@ -16,9 +17,6 @@
 #include "attention.h"
 #include "parallel.h"
 
-#if defined(__SSE2__) || defined(_M_X64)
-#include <emmintrin.h>
-#endif
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
@@ -85,34 +83,6 @@ double fma_peak_gflops(int num_threads, double seconds) {
 
 namespace {
 
-// XOR of every byte of [p, p + bytes): an integer reduction, so any bit pattern (16-bit floats,
-// NaN payloads, denormals) costs the same; four independent chains of 16-byte loads (the baseline
-// x86-64 ISA) or of 8-byte words elsewhere keep far ahead of memory.
-uint64_t xor_bytes(const unsigned char* p, int64_t bytes) {
-  int64_t i = 0;
-  uint64_t out = 0;
-#if defined(__SSE2__) || defined(_M_X64)
-  __m128i acc[4] = {_mm_setzero_si128(), _mm_setzero_si128(), _mm_setzero_si128(), _mm_setzero_si128()};
-  for (; i + 64 <= bytes; i += 64)
-    for (int w = 0; w < 4; ++w)
-      acc[w] = _mm_xor_si128(acc[w], _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i + 16 * w)));
-  alignas(16) uint64_t lanes[2];
-  _mm_store_si128(reinterpret_cast<__m128i*>(lanes), _mm_xor_si128(_mm_xor_si128(acc[0], acc[1]), _mm_xor_si128(acc[2], acc[3])));
-  out = lanes[0] ^ lanes[1];
-#else
-  uint64_t acc[4] = {0, 0, 0, 0};
-  for (; i + 32 <= bytes; i += 32)
-    for (int w = 0; w < 4; ++w) {
-      uint64_t x;
-      std::memcpy(&x, p + i + 8 * w, 8);
-      acc[w] ^= x;
-    }
-  out = acc[0] ^ acc[1] ^ acc[2] ^ acc[3];
-#endif
-  for (; i < bytes; ++i) out ^= p[i];
-  return out;
-}
-
 // Thread c's part [lo, hi) of `bytes` split `threads` ways at 64-byte (cache line) boundaries.
 std::pair<int64_t, int64_t> thread_part(int64_t bytes, int threads, int64_t c) {
   const int64_t per = ceil_div(ceil_div(bytes, threads), 64) * 64;
@@ -126,6 +96,7 @@ volatile uint64_t g_read_sink = 0;  // keeps the XOR reductions observable
 double read_buffers_gbs(const std::vector<std::pair<const void*, int64_t>>& buffers, int num_threads) {
   using clock = std::chrono::steady_clock;
   const int threads = std::max(1, num_threads);
+  const KernelTable& kt = active_kernels();
   int64_t total = 0;
   for (const auto& b : buffers) total += b.second;
   double best = 0;
@@ -135,7 +106,7 @@ double read_buffers_gbs(const std::vector<std::pair<const void*, int64_t>>& buff
     parallel_for(threads, threads, [&](int64_t c) {
       for (const auto& b : buffers) {  // each thread reads its part of every buffer
         const auto part = thread_part(b.second, threads, c);
-        x[size_t(c)] ^= xor_bytes(static_cast<const unsigned char*>(b.first) + part.first, part.second - part.first);
+        x[size_t(c)] ^= kt.xor_bytes(static_cast<const unsigned char*>(b.first) + part.first, part.second - part.first);
       }
     });
     const double dt = std::chrono::duration<double>(clock::now() - t0).count();

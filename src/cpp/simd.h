@@ -238,6 +238,10 @@ struct Simd<float> {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
   }
+  // Raw bits, the widest load there is (the read-bandwidth ceiling, KernelTable::xor_bytes).
+  using breg = __m512i;
+  static breg load_bits(const void* p) { return _mm512_loadu_si512(p); }
+  static breg xor_bits(breg a, breg b) { return _mm512_xor_si512(a, b); }
 };
 
 template <>
@@ -452,6 +456,9 @@ struct Simd<float> {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
+  using breg = __m256i;
+  static breg load_bits(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  static breg xor_bits(breg a, breg b) { return _mm256_xor_si256(a, b); }
 };
 
 template <>
@@ -574,6 +581,13 @@ struct Simd {
   static reg load_f16(const uint16_t* p) { return T(half_to_float(*p)); }
   static void store_f16(uint16_t* p, reg x) { *p = float_to_half(float(x)); }
   static reg load_bf16(const uint16_t* p) { return T(bf16_to_float(*p)); }
+  using breg = uint64_t;
+  static breg load_bits(const void* p) {
+    uint64_t x;
+    std::memcpy(&x, p, sizeof x);
+    return x;
+  }
+  static breg xor_bits(breg a, breg b) { return a ^ b; }
 };
 
 #endif
