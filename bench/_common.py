@@ -51,6 +51,40 @@ def import_pyattn(isa: str | None, prog: str):
     return pyattn
 
 
+# Environment variables that keep PyTorch to one x86 instruction set: ATen's own vectorised kernels,
+# oneDNN (its GEMMs, which PyTorch's CPU flash attention calls) and MKL. They are read when torch is
+# imported. With pyattn forced to AVX2 (--isa avx2) on an AVX-512 machine, a PyTorch left on AVX-512
+# measures the hardware's wider FMAs, not the AVX2 kernels: on a Xeon with two 512-bit FMA ports it
+# ran 1x16x1024x64 in 26.5 ms with AVX-512 and 44.9 ms kept to AVX2 (ATEN_CPU_CAPABILITY alone,
+# 28.1 ms, leaves oneDNN on AVX-512). onnxruntime (MLAS) and NumPy's OpenBLAS have no such switch that
+# the benches may use (OPENBLAS_CORETYPE is one they never touch), so they keep their own kernels.
+PEER_ISA_ENV = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "generic": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+}
+
+
+def limit_peer_isa(isa: str | None, peers_isa: str) -> dict[str, str]:
+    """With --isa avx2 or generic and --peers-isa same, set PEER_ISA_ENV for PyTorch (where the user
+    has not set a variable already); call before torch is imported. Returns the variables in effect."""
+    if peers_isa != "same" or isa not in PEER_ISA_ENV:
+        return {}
+    if "torch" in sys.modules:
+        raise RuntimeError("limit_peer_isa must run before torch is imported")
+    for name, value in PEER_ISA_ENV[isa].items():
+        os.environ.setdefault(name, value)
+    return {name: os.environ[name] for name in PEER_ISA_ENV[isa]}
+
+
+def peer_isa_line(env: dict[str, str]) -> str | None:
+    """The header line saying how the peers' instruction set was limited (None when it was not)."""
+    if not env:
+        return None
+    settings = " ".join(f"{k}={v}" for k, v in env.items())
+    return (f"PyTorch kept to pyattn's ISA ({settings}; --peers-isa native lifts it); "
+            "onnxruntime and NumPy's OpenBLAS use their own kernels")
+
+
 def measure_ceilings(core, threads: int, quick: bool) -> dict[str, float | None]:
     """FMA peak (GFLOP/s, float32) and streaming read bandwidth (GB/s) measured by pyattn._core,
     when the extension has those functions (None otherwise)."""
@@ -180,7 +214,8 @@ class TimingDefaults:
 def add_common_arguments(parser, defaults: TimingDefaults, *, seed_of: str, wait_idle_help: str,
                          tables: str = "table") -> None:
     """The options every bench script has (each script adds --quick and its own selections):
-    --threads, --isa, --min-time, --min-runs, --rounds, --wait-idle, --seed, --json, --markdown.
+    --threads, --isa, --peers-isa, --min-time, --min-runs, --rounds, --wait-idle, --seed, --json,
+    --markdown.
     resolve_common_arguments checks them after parsing."""
     parser.add_argument(
         "--threads",
@@ -189,6 +224,13 @@ def add_common_arguments(parser, defaults: TimingDefaults, *, seed_of: str, wait
         help="threads for every library (default: os.cpu_count() = %(default)s)",
     )
     parser.add_argument("--isa", default=None, help="force a pyattn ISA via pyattn._core._set_isa (e.g. avx2)")
+    parser.add_argument(
+        "--peers-isa",
+        choices=("same", "native"),
+        default="same",
+        help="with --isa avx2 or generic: keep PyTorch to that ISA too ('same', the default: like-for-like "
+        "kernels) or leave it on the best one of this CPU ('native')",
+    )
     parser.add_argument(
         "--min-time",
         type=float,

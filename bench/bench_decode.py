@@ -71,6 +71,8 @@ from _common import (
     fmt,
     fmt_ms,
     import_pyattn,
+    limit_peer_isa,
+    peer_isa_line,
     now_iso,
     add_common_arguments,
     resolve_common_arguments,
@@ -442,6 +444,8 @@ def print_header(info: dict) -> None:
         f"openmp={rt.get('openmp')} compiler={rt.get('compiler')}"
     )
     print(f"numpy {np.__version__}; torch {info['torch']}")
+    if peer_isa_line(info["peer_isa_env"]):
+        print(peer_isa_line(info["peer_isa_env"]))
     bandwidth = info["read_bandwidth_gbs"]
     print(f"streaming read bandwidth (measured now, {info['threads']} threads, 1 GiB): {bandwidth:.1f} GB/s")
     bw_busy = info["read_bandwidth_background_cpus"]
@@ -474,6 +478,7 @@ def print_header(info: dict) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     pyattn = import_pyattn(args.isa, "bench_decode")
+    peer_env = limit_peer_isa(args.isa, args.peers_isa)  # before torch is imported
     try:
         import torch
     except ImportError:
@@ -502,6 +507,7 @@ def main(argv=None) -> int:
         "read_bandwidth_gbs": bandwidth,
         "read_bandwidth_background_cpus": bandwidth_bg,
         "busy_cpus_before": busy,
+        "peer_isa_env": peer_env,
         "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "PYATTN_ISA") if k in os.environ},
         "quick": args.quick,
         "min_time_s": args.min_time,

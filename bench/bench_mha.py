@@ -64,6 +64,8 @@ from _common import (
     fmt,
     fmt_ms,
     import_pyattn,
+    limit_peer_isa,
+    peer_isa_line,
     now_iso,
     numpy_blas_name,
     openblas_env_warnings,
@@ -283,7 +285,7 @@ def gemm_row(pyattn, case: GemmCase, args, peak) -> dict:
 
 
 def measure_peak(pyattn, args, readings: int = 3) -> tuple[float, float | None]:
-    """FMA peak (GFLOP/s, float32, best ISA): the best of `readings` readings, and the background load
+    """FMA peak (GFLOP/s, float32, pyattn's ISA): the best of `readings` readings, and the background load
     during that reading. Any reading can come out low (other processes, or the hypervisor taking the
     CPU, which /proc/stat does not show as busy), and a ceiling is what the best reading says."""
     best, busy = 0.0, None
@@ -434,7 +436,9 @@ def print_header(info: dict) -> None:
         f"openmp={rt.get('openmp')} compiler={rt.get('compiler')}"
     )
     print(f"numpy {np.__version__} ({info['numpy_blas']}); torch {info['torch']}")
-    print(f"FMA peak (measured now, float32, best ISA): {peak:.1f} GFLOP/s")
+    if peer_isa_line(info["peer_isa_env"]):
+        print(peer_isa_line(info["peer_isa_env"]))
+    print(f"FMA peak (measured now, float32, pyattn's ISA): {peak:.1f} GFLOP/s")
     peak_busy = info["fma_peak_background_cpus"]
     if peak_busy is not None and peak_busy > BUSY_WARN_CPUS:
         print(f"WARNING: {peak_busy:.1f} CPUs were busy while measuring the FMA peak; %peak is overstated")
@@ -462,6 +466,7 @@ def print_header(info: dict) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     pyattn = import_pyattn(args.isa, "bench_mha")
+    peer_env = limit_peer_isa(args.isa, args.peers_isa)  # before torch is imported
     try:
         import torch
     except ImportError:
@@ -491,6 +496,7 @@ def main(argv=None) -> int:
         "fma_peak_gflops": peak,
         "fma_peak_background_cpus": peak_busy,
         "busy_cpus_before": busy,
+        "peer_isa_env": peer_env,
         "env": {
             k: os.environ[k]
             for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OMP_NUM_THREADS", "PYATTN_ISA")

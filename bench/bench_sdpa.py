@@ -68,10 +68,12 @@ from _common import (
     fmt,
     fmt_ms,
     import_pyattn,
+    limit_peer_isa,
     measure_ceilings,
     now_iso,
     numpy_blas_name,
     openblas_env_warnings,
+    peer_isa_line,
     add_common_arguments,
     resolve_common_arguments,
     TimingDefaults,
@@ -382,6 +384,7 @@ def machine_info(pyattn, threads, versions, blas_threads, ceilings, busy, args) 
         "ceilings": ceilings,
         "busy_cpus_before": busy,
         "env": {k: os.environ[k] for k in ENV_RECORDED if k in os.environ},
+        "peer_isa_env": args.peer_env,
         "quick": args.quick,
         "min_time_s": args.min_time,
         "min_runs": args.min_runs,
@@ -406,8 +409,10 @@ def print_header(info: dict, peers: list[str]) -> None:
     )
     print(f"numpy {info['versions']['numpy']} ({info['numpy_blas']})")
     print(f"torch {info['versions']['torch']};  onnxruntime {info['versions']['onnxruntime']}")
+    if peer_isa_line(info["peer_isa_env"]):
+        print(peer_isa_line(info["peer_isa_env"]))
     print(
-        "ceilings (measured now): FMA peak (best ISA) "
+        "ceilings (measured now): FMA peak (pyattn's ISA) "
         + (f"{fma:.1f} GFLOP/s" if fma else "n/a (pyattn._core.fma_peak_gflops missing)")
         + ", read bandwidth "
         + (f"{bw:.1f} GB/s" if bw else "n/a (pyattn._core.read_bandwidth_gbs missing)")
@@ -683,6 +688,7 @@ def select_cases(args) -> list[Case]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     pyattn = import_pyattn(args.isa, "bench_sdpa")
+    args.peer_env = limit_peer_isa(args.isa, args.peers_isa)  # before detect_peers imports torch
     cases = select_cases(args)
     if not cases:
         sys.exit("bench_sdpa: no shape matches --shapes")
