@@ -288,6 +288,13 @@ def _run_python(code, **env):
     return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=120)
 
 
+def _last_line(stdout):
+    # What the probe printed: the last line (an editable install that rebuilds on import, as in
+    # `pip install -Ceditable.rebuild=true -e .`, prints its own line to stdout first).
+    lines = stdout.strip().splitlines()
+    return lines[-1].strip() if lines else ""
+
+
 # Peak resident memory (KiB) added by one call with L = S = 8192 in a fresh process; the scores
 # alone would be 256 MiB in float32. Masks are stride-0 broadcasts of one row.
 _MEMORY_PROBE = """
@@ -372,7 +379,7 @@ def test_set_isa_unknown_name():
 def test_pyattn_isa_env_forces_isa(name):
     result = _run_python("import pyattn; print(pyattn.get_isa())", PYATTN_ISA=name)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == name
+    assert _last_line(result.stdout) == name
 
 
 def test_pyattn_isa_env_unknown_name_fails_clearly():
@@ -385,4 +392,4 @@ def test_pyattn_isa_env_unknown_name_fails_clearly():
 def test_no_env_picks_best_isa():
     result = _run_python("import pyattn; print(pyattn.get_isa())")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == pyattn.available_isas()[-1]
+    assert _last_line(result.stdout) == pyattn.available_isas()[-1]
