@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: MIT
 """Shared fixtures and helpers: seeded rng, per-ISA fixture, the one tolerance table, input builders."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -22,9 +24,18 @@ def rng():
     return np.random.default_rng(20240607)
 
 
-@pytest.fixture(params=pyattn.available_isas())
+def _fixture_isas():
+    # `PYATTN_ISA=name pytest` runs the ISA-parametrised tests on that ISA's kernels only (the import
+    # chose it already; tools/build_wheels.sh runs the suite once per ISA this way instead of three
+    # times over every ISA); without it, every compiled ISA the CPU supports.
+    forced = os.environ.get("PYATTN_ISA")
+    return [forced] if forced in pyattn.available_isas() else pyattn.available_isas()
+
+
+@pytest.fixture(params=_fixture_isas())
 def isa(request):
-    """Forces each compiled and supported ISA in turn, restoring the previous choice afterwards."""
+    """Forces each compiled and supported ISA in turn (or only PYATTN_ISA's, when it is set),
+    restoring the previous choice afterwards."""
     previous = pyattn.get_isa()
     pyattn._core._set_isa(request.param)
     try:

@@ -3,7 +3,7 @@
 # Release build on this machine: sdist -> wheel built FROM the sdist (so a file missing from the sdist
 # fails here) -> auditwheel repair to a manylinux tag (libgomp bundled) -> install into a fresh venv
 # -> the test suite against the installed wheel (from a copy of tests/, never the source tree), once
-# per kernel ISA this CPU has.
+# per kernel ISA this CPU has (with PYATTN_ISA set, the suite's `isa` fixture runs that ISA only).
 #
 #   tools/build_wheels.sh                 # artefacts in dist/
 #   tools/build_wheels.sh --out /tmp/dist --with-torch
