@@ -357,6 +357,16 @@ def test_show_config_prints(capsys):
     assert pyattn.__version__ in printed
 
 
+def test_isa_fixture_follows_pyattn_isa(monkeypatch):
+    # PYATTN_ISA=name pytest runs the ISA-parametrised tests on that ISA only; unset, on every ISA.
+    from conftest import _fixture_isas
+
+    monkeypatch.delenv("PYATTN_ISA", raising=False)
+    assert _fixture_isas() == pyattn.available_isas()
+    monkeypatch.setenv("PYATTN_ISA", "generic")
+    assert _fixture_isas() == ["generic"]
+
+
 def test_available_isas():
     isas = pyattn.available_isas()
     assert isas[0] == "generic"
