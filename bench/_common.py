@@ -76,13 +76,12 @@ def limit_peer_isa(isa: str | None, peers_isa: str) -> dict[str, str]:
     return {name: os.environ[name] for name in PEER_ISA_ENV[isa]}
 
 
-def peer_isa_line(env: dict[str, str]) -> str | None:
-    """The header line saying how the peers' instruction set was limited (None when it was not)."""
-    if not env:
-        return None
-    settings = " ".join(f"{k}={v}" for k, v in env.items())
-    return (f"PyTorch kept to pyattn's ISA ({settings}; --peers-isa native lifts it); "
-            "onnxruntime and NumPy's OpenBLAS use their own kernels")
+def print_peer_isa(env: dict[str, str]) -> None:
+    """The header line saying how the peers' instruction set was limited (nothing when it was not)."""
+    if env:
+        settings = " ".join(f"{k}={v}" for k, v in env.items())
+        print(f"PyTorch kept to pyattn's ISA ({settings}; --peers-isa native lifts it); "
+              "onnxruntime and NumPy's OpenBLAS use their own kernels")
 
 
 def measure_ceilings(core, threads: int, quick: bool) -> dict[str, float | None]:

@@ -72,7 +72,7 @@ from _common import (
     fmt_ms,
     import_pyattn,
     limit_peer_isa,
-    peer_isa_line,
+    print_peer_isa,
     now_iso,
     add_common_arguments,
     resolve_common_arguments,
@@ -444,8 +444,7 @@ def print_header(info: dict) -> None:
         f"openmp={rt.get('openmp')} compiler={rt.get('compiler')}"
     )
     print(f"numpy {np.__version__}; torch {info['torch']}")
-    if peer_isa_line(info["peer_isa_env"]):
-        print(peer_isa_line(info["peer_isa_env"]))
+    print_peer_isa(info["peer_isa_env"])
     bandwidth = info["read_bandwidth_gbs"]
     print(f"streaming read bandwidth (measured now, {info['threads']} threads, 1 GiB): {bandwidth:.1f} GB/s")
     bw_busy = info["read_bandwidth_background_cpus"]

@@ -65,7 +65,7 @@ from _common import (
     fmt_ms,
     import_pyattn,
     limit_peer_isa,
-    peer_isa_line,
+    print_peer_isa,
     now_iso,
     numpy_blas_name,
     openblas_env_warnings,
@@ -436,8 +436,7 @@ def print_header(info: dict) -> None:
         f"openmp={rt.get('openmp')} compiler={rt.get('compiler')}"
     )
     print(f"numpy {np.__version__} ({info['numpy_blas']}); torch {info['torch']}")
-    if peer_isa_line(info["peer_isa_env"]):
-        print(peer_isa_line(info["peer_isa_env"]))
+    print_peer_isa(info["peer_isa_env"])
     print(f"FMA peak (measured now, float32, pyattn's ISA): {peak:.1f} GFLOP/s")
     peak_busy = info["fma_peak_background_cpus"]
     if peak_busy is not None and peak_busy > BUSY_WARN_CPUS:

@@ -73,7 +73,7 @@ from _common import (
     now_iso,
     numpy_blas_name,
     openblas_env_warnings,
-    peer_isa_line,
+    print_peer_isa,
     add_common_arguments,
     resolve_common_arguments,
     TimingDefaults,
@@ -409,8 +409,7 @@ def print_header(info: dict, peers: list[str]) -> None:
     )
     print(f"numpy {info['versions']['numpy']} ({info['numpy_blas']})")
     print(f"torch {info['versions']['torch']};  onnxruntime {info['versions']['onnxruntime']}")
-    if peer_isa_line(info["peer_isa_env"]):
-        print(peer_isa_line(info["peer_isa_env"]))
+    print_peer_isa(info["peer_isa_env"])
     print(
         "ceilings (measured now): FMA peak (pyattn's ISA) "
         + (f"{fma:.1f} GFLOP/s" if fma else "n/a (pyattn._core.fma_peak_gflops missing)")
