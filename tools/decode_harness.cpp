@@ -1,0 +1,141 @@
+// SPDX-License-Identifier: MIT
+// A developer's harness for the decode kernel (src/cpp/decode.inc): one thread calls the kernel of
+// one ISA directly, without the driver, the binding or Python, over one key/value head, and prints
+// the CPU time per key row (K + V row) as min / 25th percentile / median over many calls.
+//
+// Why it exists: the 2-vCPU VMs this project is measured on drift by 10-40% within seconds, so
+// bench/bench_decode.py (wall clock, two threads, Python in the loop) cannot resolve a kernel change
+// of a few per cent. With the K/V rows in L1/L2 (a few hundred keys) the minimum CPU time of a call
+// repeats to ~1% between runs a minute apart, though the whole machine still drifts over longer
+// spells (the same binary's minimum moved by 25% within an hour on Zen 4): build this file once
+// against each tree of decode.inc and alternate the two binaries, several rounds.
+// It is not built by CI or pip; it includes kernels.inc like kernels_<isa>.cpp does.
+//
+// Build and run (from the repository root; AVX2: -DHARNESS_AVX2 and drop -mavx512f):
+//   g++ -O3 -std=c++17 -mavx512f -mavx2 -mfma -mf16c -Isrc/cpp tools/decode_harness.cpp -o /tmp/dh
+//   /tmp/dh STORAGE ROWS KV_LEN CALLS        e.g.  /tmp/dh f16 4 512 20000
+// STORAGE: f32, f16 or bf16 (K/V storage; compute is float32); ROWS: query rows per key/value
+// head (the GQA group times the new tokens); head_dim = value_dim = 128, q_len 1, no mask.
+//
+// Zen 4 (2026-12-01, a fast spell, AVX-512, one thread, 512 keys), ns per key row, min of 20000
+// calls: 4 rows float32 24.6-25.1, float16 25.3, bfloat16 25.3-28.2; 1 row float32 11.2, 8 rows
+// 48.7 (two groups of 4). With P.V removed from the kernel (an experiment, not in the tree), 4
+// float16 rows take 15.7 (so P.V ~9.7; its 32 FMAs per key row take ~8.6 at one 512-bit FMA per
+// cycle), with the softmax removed too 13.4 (the scores: their 32 FMAs, ~8.6, plus the lanes x
+// lanes reductions and the score stores).
+
+#if defined(HARNESS_AVX2)
+#define PYATTN_ISA_NS avx2
+#define PYATTN_ISA_NAME "avx2"
+#define PYATTN_SIMD_AVX2 1
+#else
+#define PYATTN_ISA_NS avx512
+#define PYATTN_ISA_NAME "avx512"
+#define PYATTN_SIMD_AVX512 1
+#endif
+#include "kernels.inc"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+double thread_seconds() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9;
+}
+
+uint16_t bf16_bits(float x) {  // truncation is fine here: the values only need to be finite
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return uint16_t(bits >> 16);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace pyattn;
+  if (argc != 5) {
+    std::fprintf(stderr, "usage: %s f32|f16|bf16 ROWS KV_LEN CALLS\n", argv[0]);
+    return 2;
+  }
+  const std::string storage_name = argv[1];
+  const int64_t rows = std::atoll(argv[2]), kv_len = std::atoll(argv[3]), calls = std::atoll(argv[4]);
+  const Storage storage = storage_name == "f16" ? Storage::f16 : storage_name == "bf16" ? Storage::bf16 : Storage::same;
+  if ((storage == Storage::same && storage_name != "f32") || rows < 1 || rows > 16 || kv_len < 1 || calls < 1) {
+    std::fprintf(stderr, "bad arguments (ROWS 1..16, KV_LEN >= 1, CALLS >= 1)\n");
+    return 2;
+  }
+  constexpr int64_t head_dim = 128, value_dim = 128;
+  const KernelTable& table = PYATTN_ISA_NS::kernel_table();
+  const KernelSet<float>& kernels = table.f32;
+
+  std::mt19937 gen(1);
+  std::normal_distribution<float> normal;
+  std::vector<float> q(static_cast<size_t>(rows * head_dim)), k(static_cast<size_t>(kv_len * head_dim)),
+      v(static_cast<size_t>(kv_len * value_dim));
+  for (float& x : q) x = normal(gen);
+  for (float& x : k) x = normal(gen);
+  for (float& x : v) x = normal(gen);
+  // K and V as the kernel reads them: float32, or 16-bit patterns (uint16 storage, as in KVCache).
+  std::vector<uint16_t> k16(k.size()), v16(v.size());
+  if (storage == Storage::f16) {
+    table.float_to_half(k.data(), k16.data(), int64_t(k.size()));
+    table.float_to_half(v.data(), v16.data(), int64_t(v.size()));
+  } else if (storage == Storage::bf16) {
+    for (size_t i = 0; i < k.size(); ++i) k16[i] = bf16_bits(k[i]);
+    for (size_t i = 0; i < v.size(); ++i) v16[i] = bf16_bits(v[i]);
+  }
+  const bool half = storage != Storage::same;
+
+  // One batch entry with `rows` query heads sharing key/value head 0 (a GQA group of `rows`).
+  std::vector<int64_t> q_offset(static_cast<size_t>(rows)), kv_offset(static_cast<size_t>(rows), 0);
+  for (int64_t r = 0; r < rows; ++r) q_offset[size_t(r)] = r * head_dim;
+  AttnArgs<float> a;
+  a.q = q.data();
+  a.k = half ? reinterpret_cast<const float*>(k16.data()) : k.data();
+  a.v = half ? reinterpret_cast<const float*>(v16.data()) : v.data();
+  a.q_offset = q_offset.data();
+  a.k_offset = kv_offset.data();
+  a.v_offset = kv_offset.data();
+  a.q_stride_l = head_dim;
+  a.k_stride_s = head_dim;
+  a.v_stride_s = value_dim;
+  a.batch_heads = rows;
+  a.num_heads = rows;
+  a.group = rows;
+  a.q_len = 1;
+  a.kv_len = kv_len;
+  a.head_dim = head_dim;
+  a.value_dim = value_dim;
+  a.scale = 1.0 / std::sqrt(double(head_dim));
+  a.kv_storage = storage;
+
+  const DecodeTile tile{0, 0, 0, rows, 0, kv_len};
+  const int64_t value_padded = kernels.decode_padded(value_dim);
+  std::vector<float> scratch(static_cast<size_t>(kernels.decode_scratch(rows, head_dim, value_dim)));
+  std::vector<float> acc(static_cast<size_t>(rows * value_padded));
+  std::vector<float> m(static_cast<size_t>(rows)), l(static_cast<size_t>(rows));
+  const RowState<float> state{acc.data(), m.data(), l.data()};
+
+  std::vector<double> seconds(static_cast<size_t>(calls));
+  for (int64_t c = 0; c < calls; ++c) {
+    const double t0 = thread_seconds();
+    kernels.decode(a, tile, rows, scratch.data(), state);
+    seconds[size_t(c)] = thread_seconds() - t0;
+  }
+  std::sort(seconds.begin(), seconds.end());
+  auto per_row = [&](double s) { return s / double(kv_len) * 1e9; };
+  std::printf("%s %s rows %lld kv_len %lld: ns per key row min %.2f p25 %.2f median %.2f (out[0][0] = %.6g)\n",
+              PYATTN_ISA_NAME, storage_name.c_str(), static_cast<long long>(rows), static_cast<long long>(kv_len),
+              per_row(seconds[0]), per_row(seconds[size_t(calls / 4)]), per_row(seconds[size_t(calls / 2)]),
+              double(acc[0] / l[0]));
+  return 0;
+}
