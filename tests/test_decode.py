@@ -785,6 +785,72 @@ def test_decode_path_bitwise_across_thread_counts(isa, rng, name, q_len):
         np.testing.assert_array_equal(f64(r), f64(results[0]))
 
 
+@contextlib.contextmanager
+def prefetch(mode):
+    """The software prefetch of K/V: 1 forced on, 0 off, -1 (the default) when K and V outgrow half
+    the last-level cache (and the decode step has the arithmetic to hide it behind)."""
+    previous = pyattn._core._set_prefetch(mode)
+    try:
+        yield
+    finally:
+        pyattn._core._set_prefetch(previous)
+
+
+@pytest.mark.parametrize(
+    "head_dim, q_heads, kv_heads, q_len, lengths",
+    [
+        (128, 8, 2, 1, [3000, 2999]),  # GQA 4 rows, rows of whole vectors (read in place): prefetched
+        (64, 4, 4, 1, [1500, 40]),  # one row per K/V row; the second row's range ends before the distance
+        (128, 2, 1, 3, [700, 1]),  # 6 rows per K/V row; a one-key row
+        (24, 4, 2, 2, [900, 600]),  # rows converted into scratch: the hint is not used
+    ],
+)
+@pytest.mark.parametrize("name", CACHE_DTYPES)
+def test_decode_prefetch_changes_nothing(isa, rng, name, head_dim, q_heads, kv_heads, q_len, lengths):
+    """The decode kernel's prefetch of K and V rows ahead in their streams is a hint only: forced on it
+    gives the bits it gives off, through a ragged KVCache (each row's range ends at its own length,
+    some shorter than the prefetch distance) and through a split long call whose forbidden keys' rows
+    hold NaN (the prefetches touch them too); both against the reference."""
+    dtype = np_dtype(name)
+    batch, max_len = len(lengths), max(lengths)
+    cache = pyattn.KVCache(batch, kv_heads, head_dim, max_len, dtype=name)
+    k = random_array(rng, (batch, kv_heads, max_len, head_dim), compute_dtype(name))
+    v = random_array(rng, (batch, kv_heads, max_len, head_dim), compute_dtype(name))
+    first = [n - q_len if n >= q_len else 0 for n in lengths]
+    cache.append(k[:, :, : max(first)], v[:, :, : max(first)], num_new=np.array(first))
+    new = [n - f for n, f in zip(lengths, first)]
+    chunk = max(new)
+    take = [np.minimum(np.arange(chunk) + first[b], max_len - 1) for b in range(batch)]  # row b's next keys
+    kn = np.stack([k[b][:, take[b]] for b in range(batch)])
+    vn = np.stack([v[b][:, take[b]] for b in range(batch)])
+    cache.append(kn, vn, num_new=np.array(new))
+    assert cache.lengths.tolist() == lengths
+    q = random_array(rng, (batch, q_heads, chunk, head_dim), compute_dtype(name))
+    with prefetch(1):
+        on = cache.attend(q, num_threads=2)
+    with prefetch(0):
+        off = cache.attend(q, num_threads=2)
+    np.testing.assert_array_equal(f64(on), f64(off))
+    for b, n in enumerate(lengths):
+        rows = slice(0, new[b])  # right padding: row b's real queries come first
+        expected = reference.scaled_dot_product_attention(
+            f64(q[b : b + 1, :, rows]), f64(cache.keys(b))[None], f64(cache.values(b))[None],
+            is_causal="lower_right", enable_gqa=True)
+        assert_close(on[b : b + 1, :, rows], expected, compute_dtype(name).type)  # the stored values, exactly
+
+    # The split path (12 key chunks per task) with NaN rows at forbidden keys.
+    q2, k2, v2, mask, clean_k, clean_v = long_kv_inputs(rng, dtype, min(q_len, DECODE_MAX), head_dim=head_dim)
+    with prefetch(1):
+        on = sdpa(q2, k2, v2, mask, is_causal="lower_right", enable_gqa=True)
+    with prefetch(0):
+        off = sdpa(q2, k2, v2, mask, is_causal="lower_right", enable_gqa=True)
+    np.testing.assert_array_equal(f64(on), f64(off))
+    assert np.isfinite(f64(on)).all()
+    expected = reference.scaled_dot_product_attention(f64(q2), clean_k, clean_v, mask, is_causal="lower_right",
+                                                      enable_gqa=True)
+    assert_result_close(on, expected, name)
+
+
 @pytest.mark.parametrize("name", CACHE_DTYPES)
 def test_cache_attend_and_layer_bitwise_across_thread_counts(isa, rng, name):
     np_dtype(name)

@@ -14,9 +14,13 @@
 //
 // Build and run (from the repository root; AVX2: -DHARNESS_AVX2 and drop -mavx512f):
 //   g++ -O3 -std=c++17 -mavx512f -mavx2 -mfma -mf16c -Isrc/cpp tools/decode_harness.cpp -o /tmp/dh
-//   /tmp/dh STORAGE ROWS KV_LEN CALLS        e.g.  /tmp/dh f16 4 512 20000
+//   /tmp/dh STORAGE ROWS KV_LEN CALLS [PREFETCH]   e.g.  /tmp/dh f16 4 512 20000
+// Two cores streaming from memory (K/V of 100+ MiB each), timed together:
+//   t=$(($(date +%s) + 3)); for i in 1 2; do HARNESS_START=$t /tmp/dh f16 4 262144 200 & done; wait
 // STORAGE: f32, f16 or bf16 (K/V storage; compute is float32); ROWS: query rows per key/value
-// head (the GQA group times the new tokens); head_dim = value_dim = 128, q_len 1, no mask.
+// head (the GQA group times the new tokens); PREFETCH 1: the kernel's software prefetch on
+// (AttnArgs::prefetch_kv, which the driver sets when K/V come from memory); head_dim = value_dim =
+// 128, q_len 1, no mask.
 //
 // Zen 4 (2026-12-01, a fast spell, AVX-512, one thread, 512 keys), ns per key row, min of 20000
 // calls: 4 rows float32 24.6-25.1, float16 25.3, bfloat16 25.3-28.2; 1 row float32 11.2, 8 rows
@@ -63,8 +67,8 @@ uint16_t bf16_bits(float x) {  // truncation is fine here: the values only need 
 
 int main(int argc, char** argv) {
   using namespace pyattn;
-  if (argc != 5) {
-    std::fprintf(stderr, "usage: %s f32|f16|bf16 ROWS KV_LEN CALLS\n", argv[0]);
+  if (argc != 5 && argc != 6) {
+    std::fprintf(stderr, "usage: %s f32|f16|bf16 ROWS KV_LEN CALLS [PREFETCH]\n", argv[0]);
     return 2;
   }
   const std::string storage_name = argv[1];
@@ -118,6 +122,7 @@ int main(int argc, char** argv) {
   a.value_dim = value_dim;
   a.scale = 1.0 / std::sqrt(double(head_dim));
   a.kv_storage = storage;
+  a.prefetch_kv = argc == 6 && std::atoi(argv[5]) != 0;  // what the driver sets for K/V from memory
 
   const DecodeTile tile{0, 0, 0, rows, 0, kv_len};
   const int64_t value_padded = kernels.decode_padded(value_dim);
@@ -126,6 +131,17 @@ int main(int argc, char** argv) {
   std::vector<float> m(static_cast<size_t>(rows)), l(static_cast<size_t>(rows));
   const RowState<float> state{acc.data(), m.data(), l.data()};
 
+  // HARNESS_START=<unix time, seconds>: wait until then before timing, so that two harness
+  // processes started side by side (one per core: the memory contention of a two-thread decode) time
+  // their calls together rather than while the other one is still filling its buffers.
+  if (const char* start = std::getenv("HARNESS_START")) {
+    const double at = std::atof(start);
+    timespec ts;
+    while (clock_gettime(CLOCK_REALTIME, &ts) == 0 && double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9 < at) {
+      const timespec nap{0, 1000000};
+      nanosleep(&nap, nullptr);
+    }
+  }
   // Samples of several consecutive calls, at least ~100 us each: a single short call can read as 0
   // from the thread CPU clock on some VMs.
   const double first = [&] {
@@ -143,8 +159,9 @@ int main(int argc, char** argv) {
   }
   std::sort(seconds.begin(), seconds.end());
   auto per_row = [&](double s) { return s / double(kv_len) * 1e9; };
-  std::printf("%s %s rows %lld kv_len %lld: ns per key row min %.2f p25 %.2f median %.2f (out[0][0] = %.6g)\n",
+  std::printf("%s %s rows %lld kv_len %lld prefetch %d: ns per key row min %.2f p25 %.2f median %.2f (out[0][0] = %.6g)\n",
               PYATTN_ISA_NAME, storage_name.c_str(), static_cast<long long>(rows), static_cast<long long>(kv_len),
+              int(a.prefetch_kv),
               per_row(seconds[0]), per_row(seconds[size_t(samples / 4)]), per_row(seconds[size_t(samples / 2)]),
               double(acc[0] / l[0]));
   return 0;

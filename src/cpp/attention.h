@@ -94,7 +94,7 @@ struct AttnArgs {
   const int64_t* causal_offsets = nullptr;
   Storage kv_storage = Storage::same;
   // Set by the driver when K and V will come from memory rather than from caches (see attention.cpp):
-  // the tiles then prefetch the rows they read next.
+  // the tiles then prefetch the rows they read next, the decode kernel the rows 16 KiB ahead.
   bool prefetch_kv = false;
 
   T* out_rows(int64_t bh) const { return out + (bh / num_heads) * out_stride_b + (bh % num_heads) * out_stride_h; }

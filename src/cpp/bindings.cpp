@@ -384,9 +384,10 @@ PYBIND11_MODULE(_core, m) {
   });
   m.def("get_num_threads", &default_num_threads);
   m.def("_set_prefetch", &set_prefetch, py::arg("mode"),
-        "What the query tiles prefetch: -1 decided per call from the cache sizes (default), 0 nothing, "
-        "1 always the next key block's K/V rows, 2 always the next work item's rows (for tests). "
-        "Returns the previous mode.");
+        "What the query tiles and the decode kernel prefetch: -1 decided per call from the cache sizes "
+        "(default), 0 nothing, 1 always K/V rows ahead (the tiles: the next key block's; the decode kernel: "
+        "16 KiB ahead in each stream), 2 always the next work item's rows (tiles; the decode kernel then "
+        "prefetches nothing) (for tests). Returns the previous mode.");
   m.def("_set_group_tiles", &set_group_tiles, py::arg("on"),
         "Whether the query tiles take the heads of a GQA group together (1, the default) or head by "
         "head (0, for tests). Returns the previous setting.");
