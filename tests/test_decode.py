@@ -787,8 +787,8 @@ def test_decode_path_bitwise_across_thread_counts(isa, rng, name, q_len):
 
 @contextlib.contextmanager
 def prefetch(mode):
-    """The software prefetch of K/V: 1 forced on, 0 off, -1 (the default) when K and V outgrow half
-    the last-level cache (and the decode step has the arithmetic to hide it behind)."""
+    """The software prefetch of K/V: 1 forced on, 0 off, -1 (the default): the decode kernel prefetches
+    16-bit K and V that outgrow half the last-level cache."""
     previous = pyattn._core._set_prefetch(mode)
     try:
         yield

@@ -210,24 +210,23 @@ void pack_mask_bits(MaskSlot& m, int64_t batch_heads, int64_t q_len, int64_t kv_
 // Few query rows per head (decode): lanes along head_dim, all query heads of a GQA group together.
 template <class T>
 void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_threads) {
-  // K and V read from memory rather than from the last-level cache, by a step with arithmetic to
-  // hide the memory time behind (16-bit rows to convert, or several query rows per K/V row): the
-  // kernel then prefetches each stream 16 KiB ahead (decode.inc, Ahead). "From memory" as for the
-  // tiles' next-item prefetch below: the call's K and V (each row read once per GQA group) take at
-  // least half the last-level cache, which on a shared VM is what a call can expect to find there.
-  // Measured on Zen 4 (2 threads, KVCache.attend, 32 query heads, head_dim 128, prefetch off / on
-  // alternating in one process, medians of 12 rounds): float16 / bfloat16 with 8 K/V heads at 4k
-  // keys 1.18x / 1.42x faster, 16k 1.29x, 64k 1.61x / 1.72x, B = 8 at 4k 1.81x; float16 with 32
-  // K/V heads (one query row each) 1.17x at 16k, 1.32x at 64k; float32 with 8 K/V heads 0.98-1.09x;
-  // float32 with one query row per K/V row 0.85-0.99x (a plain stream the hardware prefetchers
-  // already keep at full speed: left to them).
+  // 16-bit K and V read from memory rather than from the last-level cache: the kernel then prefetches
+  // each stream 16 KiB ahead (decode.inc, Ahead), because converting the rows keeps a core from
+  // issuing loads for long enough that, with both cores streaming, memory time and compute time add
+  // up. "From memory" as for the tiles' next-item prefetch below: the call's K and V (each row read
+  // once per GQA group) take at least half the last-level cache, which on a shared VM is what a
+  // call can expect to find there. Measured on Zen 4 (2 threads, KVCache.attend, 32 query heads,
+  // head_dim 128, prefetch off / on alternating in one process, medians of 12 rounds): 8 K/V heads
+  // (4 query rows per K/V row) float16 4k keys 1.09x faster, 16k 1.45x, B = 8 at 4k 1.30x, bfloat16
+  // 64k 1.78x; 32 K/V heads float16 16k 0.94x, 64k 1.08x, B = 8 at 4k 1.11x, bfloat16 16k 1.60x.
+  // float32 rows (no conversion) measured 0.97-0.99x with 8 K/V heads and 0.85-0.99x with 32 (a
+  // plain stream the hardware prefetchers keep at full speed): left to them.
   AttnArgs<T> a = in;
   {
     const int64_t llc = std::max(cache_bytes(3), cache_bytes(2));
     const int64_t kv_bytes = a.batch_heads / a.group * a.kv_len * (a.head_dim + a.value_dim) * a.kv_item_bytes();
-    const bool arithmetic = a.kv_storage != Storage::same || a.group * a.q_len >= 2;
     const int mode = g_prefetch.load(std::memory_order_relaxed);
-    a.prefetch_kv = mode < 0 ? llc > 0 && 2 * kv_bytes >= llc && arithmetic : mode == 1;
+    a.prefetch_kv = mode < 0 ? a.kv_storage != Storage::same && llc > 0 && 2 * kv_bytes >= llc : mode == 1;
   }
   const int64_t group = a.group;
   const int64_t kv_heads = a.num_heads / group;  // key/value heads per batch entry
