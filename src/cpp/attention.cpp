@@ -218,7 +218,9 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
   // call can expect to find there. Measured on Zen 4 (2 threads, KVCache.attend, 32 query heads,
   // head_dim 128, prefetch off / on alternating in one process, medians of 12 rounds): 8 K/V heads
   // (4 query rows per K/V row) float16 4k keys 1.09x faster, 16k 1.45x, B = 8 at 4k 1.30x, bfloat16
-  // 64k 1.78x; 32 K/V heads float16 16k 0.94x, 64k 1.08x, B = 8 at 4k 1.11x, bfloat16 16k 1.60x.
+  // 64k 1.78x; 32 K/V heads float16 16k 0.94x, 64k 1.08x, B = 8 at 4k 1.11x, bfloat16 16k 1.60x;
+  // 4 new tokens per step (16 query rows per K/V row) float16 16k 1.29x (8 K/V heads), 1.21x (32).
+  // At the threshold (16 MiB of 16-bit K/V: 1k keys x 32 K/V heads, 4k x 8) 0.98-1.19x.
   // float32 rows (no conversion) measured 0.97-0.99x with 8 K/V heads and 0.85-0.99x with 32 (a
   // plain stream the hardware prefetchers keep at full speed): left to them.
   AttnArgs<T> a = in;
