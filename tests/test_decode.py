@@ -802,7 +802,7 @@ def prefetch(mode):
         (128, 8, 2, 1, [3000, 2999]),  # GQA 4 rows, rows of whole vectors (read in place): prefetched
         (64, 4, 4, 1, [1500, 40]),  # one row per K/V row; the second row's range ends before the distance
         (128, 2, 1, 3, [700, 1]),  # 6 rows per K/V row; a one-key row
-        (24, 4, 2, 2, [900, 600]),  # rows converted into scratch: the hint is not used
+        (24, 4, 2, 2, [900, 600]),  # AVX-512: rows converted into scratch (hint unused); AVX2, generic: in place
     ],
 )
 @pytest.mark.parametrize("name", CACHE_DTYPES)
