@@ -59,6 +59,10 @@ std::atomic<int64_t> g_packed_mask_limit{kMaxPackedMaskBytes};
 std::atomic<int> g_prefetch{-1};  // set_prefetch: -1 by cache sizes, 0 never, 1 K/V rows, 2 next items
 std::atomic<int> g_group_tiles{1};  // set_group_tiles: 1 GQA groups' heads together, 0 head by head
 
+// The last-level cache in bytes (L3, else L2; 0 when CPUID does not tell): what decides whether a
+// call's arrays come from memory (the prefetch conditions below).
+int64_t last_level_cache_bytes() { return std::max(cache_bytes(3), cache_bytes(2)); }
+
 size_t padded(size_t elems, size_t elem_size) {
   const size_t per_line = kAlign / elem_size;
   return (elems + per_line - 1) / per_line * per_line;
@@ -225,7 +229,7 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
   // plain stream the hardware prefetchers keep at full speed): left to them.
   AttnArgs<T> a = in;
   {
-    const int64_t llc = std::max(cache_bytes(3), cache_bytes(2));
+    const int64_t llc = last_level_cache_bytes();
     const int64_t kv_bytes = a.batch_heads / a.group * a.kv_len * (a.head_dim + a.value_dim) * a.kv_item_bytes();
     const int mode = g_prefetch.load(std::memory_order_relaxed);
     a.prefetch_kv = mode < 0 ? a.kv_storage != Storage::same && llc > 0 && 2 * kv_bytes >= llc : mode == 1;
@@ -314,7 +318,7 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
   // 1540 -> 1310; with K/V held in L3 the prefetches cost 16-row tiles ~9%, and with a head's K/V
   // in L2 5%, hence both conditions (sizes from CPUID; unknown sizes: no prefetching). Many small
   // heads that together outgrow the last-level cache are prefetched a work item ahead instead (below).
-  const int64_t l2 = cache_bytes(2), llc = std::max(cache_bytes(3), l2);
+  const int64_t l2 = cache_bytes(2), llc = last_level_cache_bytes();
   const int prefetch_mode = g_prefetch.load(std::memory_order_relaxed);
   const int64_t kv_heads = std::max<int64_t>(1, a.batch_heads / a.group);
   const int64_t kv_row_bytes = (a.head_dim + a.value_dim) * a.kv_item_bytes();
