@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: MIT
 """Shared fixtures and helpers: seeded rng, per-ISA fixture, the one tolerance table, input builders."""
 
+import contextlib
 import os
 
 import numpy as np
@@ -17,6 +18,17 @@ TOL = {
     np.float64: (1e-12, 1e-12),
 }
 DTYPES = [np.float32, np.float64]
+
+
+@contextlib.contextmanager
+def core_setting(setter, value):
+    """Runs the body with one of the core's test switches (a _core._set_* function returning the
+    previous value) set to value, and restores it."""
+    previous = setter(value)
+    try:
+        yield
+    finally:
+        setter(previous)
 
 
 @pytest.fixture

@@ -20,11 +20,10 @@ What is held against what:
 Tolerances: float32/float64 use conftest.TOL; the 16-bit ones live in HALF_TOL below (the only place).
 """
 
-import contextlib
 
 import numpy as np
 import pytest
-from conftest import TOL, assert_close, make_qkv, nan_guarded, random_array, random_mask
+from conftest import TOL, assert_close, core_setting, make_qkv, nan_guarded, random_array, random_mask
 
 import pyattn
 from pyattn import reference
@@ -69,15 +68,10 @@ def f64(x):
     return np.asarray(x).astype(np.float64)
 
 
-@contextlib.contextmanager
 def group_tiles(on):
     """How the query tiles take GQA groups: 1 (the default) a group's heads together (KernelSet::
     attend_group), 0 head by head."""
-    previous = pyattn._core._set_group_tiles(on)
-    try:
-        yield
-    finally:
-        pyattn._core._set_group_tiles(previous)
+    return core_setting(pyattn._core._set_group_tiles, on)
 
 
 def assert_half_close(actual, expected, name):
@@ -785,15 +779,10 @@ def test_decode_path_bitwise_across_thread_counts(isa, rng, name, q_len):
         np.testing.assert_array_equal(f64(r), f64(results[0]))
 
 
-@contextlib.contextmanager
 def prefetch(mode):
     """The software prefetch of K/V: 1 forced on, 0 off, -1 (the default): the decode kernel prefetches
     16-bit K and V that outgrow half the last-level cache."""
-    previous = pyattn._core._set_prefetch(mode)
-    try:
-        yield
-    finally:
-        pyattn._core._set_prefetch(previous)
+    return core_setting(pyattn._core._set_prefetch, mode)
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,6 @@ Inputs are views cut from NaN-filled parents (see conftest.nan_guarded), so an o
 stride mistake shows up as NaN in the output.
 """
 
-import contextlib
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ from conftest import (
     TOL,
     assert_close,
     check_against_reference,
+    core_setting,
     make_qkv,
     nan_guarded,
     random_array,
@@ -172,17 +172,6 @@ def test_masked_block_edges(isa, dtype, rng, q_len, kv_len, pattern):
     v[np.broadcast_to(forbidden_everywhere[:, None, :], v.shape[:-1])] = np.inf
     out = check_against_reference(q, k, v, allowed)
     assert np.isfinite(out).all()
-
-
-@contextlib.contextmanager
-def core_setting(setter, value):
-    """Runs the body with one of the core's test switches (a _core._set_* function returning the
-    previous value) set to value, and restores it."""
-    previous = setter(value)
-    try:
-        yield
-    finally:
-        setter(previous)
 
 
 def masks_read_as_bytes():
