@@ -335,6 +335,9 @@ def test_runtime_info_keys():
     assert l2 == 0 or 64 * 1024 <= l2 <= 64 * 1024 * 1024
     assert l3 == 0 or l3 >= l2
     assert pyattn._core.cache_bytes(0) == pyattn._core.cache_bytes(4) == 0
+    # CPUID's vendor: 12 printable characters on x86 (what the decode prefetch rule keys on).
+    vendor = info["cpu_vendor"]
+    assert vendor == "" or (len(vendor) == 12 and vendor.isprintable())
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 63, 255, 257, 4096 + 17])

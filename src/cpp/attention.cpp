@@ -23,6 +23,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <new>
@@ -214,25 +215,35 @@ void pack_mask_bits(MaskSlot& m, int64_t batch_heads, int64_t q_len, int64_t kv_
 // Few query rows per head (decode): lanes along head_dim, all query heads of a GQA group together.
 template <class T>
 void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_threads) {
-  // 16-bit K and V read from memory rather than from the last-level cache: the kernel then prefetches
-  // each stream 16 KiB ahead (decode.inc, Ahead), because converting the rows keeps a core from
-  // issuing loads for long enough that, with both cores streaming, memory time and compute time add
-  // up. "From memory" as for the tiles' next-item prefetch below: the call's K and V (each row read
-  // once per GQA group) take at least half the last-level cache, which on a shared VM is what a
-  // call can expect to find there. Measured on Zen 4 (2 threads, KVCache.attend, 32 query heads,
-  // head_dim 128, prefetch off / on alternating in one process, medians of 12 rounds): 8 K/V heads
-  // (4 query rows per K/V row) float16 4k keys 1.09x faster, 16k 1.45x, B = 8 at 4k 1.30x, bfloat16
-  // 64k 1.78x; 32 K/V heads float16 16k 0.94x, 64k 1.08x, B = 8 at 4k 1.11x, bfloat16 16k 1.60x;
-  // 4 new tokens per step (16 query rows per K/V row) float16 16k 1.29x (8 K/V heads), 1.21x (32).
-  // At the threshold (16 MiB of 16-bit K/V: 1k keys x 32 K/V heads, 4k x 8) 0.98-1.19x.
-  // float32 rows (no conversion) measured 0.97-0.99x with 8 K/V heads and 0.85-0.99x with 32 (a
-  // plain stream the hardware prefetchers keep at full speed): left to them.
+  // Software prefetching of the K and V streams, 16 KiB ahead in each (decode.inc, Ahead), where the
+  // hardware prefetchers alone leave the cores waiting. The need differs between the two x86 cores
+  // it was measured on (2 threads, KVCache.attend, 32 query heads, head_dim 128, prefetch off / on
+  // alternating in one process, medians of 6-12 rounds), so the rule is the vendor's:
+  // * AMD (Zen 4, 1 MiB L2, 32 MiB L3): only 16-bit K/V from memory gain, because converting the
+  //   rows keeps a core from issuing loads for long enough that, with both cores streaming, memory
+  //   time and compute time add up. "From memory": K and V (each row read once per GQA group) take
+  //   at least half the last-level cache, what a call on a shared VM can expect to find there.
+  //   8 K/V heads (4 query rows per K/V row) float16 4k keys 1.09x faster, 16k 1.45x, B = 8 at 4k
+  //   1.30x, bfloat16 64k 1.78x; 32 K/V heads float16 16k 0.94x, 64k 1.08x, B = 8 at 4k 1.11x,
+  //   bfloat16 16k 1.60x; 4 new tokens per step float16 16k 1.29x (8 K/V heads), 1.21x (32); at the
+  //   threshold (16 MiB) 0.98-1.19x. float32 K/V (a plain stream its prefetchers keep at full
+  //   speed) 0.97-0.99x with 8 K/V heads, 0.85-0.99x with 32: left to them.
+  // * Intel (a Sapphire Rapids-class Xeon VM: 2 MiB L2, a 480 MiB L3 shared with other tenants):
+  //   every K/V that outgrows the threads' L2s gains, from the L3 as from memory, float32 too.
+  //   float16 16 MiB 1.03-1.06x, 64 MiB 1.19x, 128 MiB (B = 8 at 4k) 1.99x, bfloat16 64 MiB 1.10x,
+  //   256 MiB 1.57x; float32 32 MiB 1.01x, 128 MiB 1.38x, 256 MiB 1.13x, 512 MiB-2 GiB 1.04-1.06x;
+  //   4 new tokens float32 128 MiB 1.10x; within L2 (2-8 MiB) 0.99-1.02x. Half of that L3 (240
+  //   MiB) would have left most of these unprefetched.
+  // Other vendors: as AMD. Prefetch distances of 8 and 32 KiB measured the same as 16 on the Xeon.
   AttnArgs<T> a = in;
   {
-    const int64_t llc = last_level_cache_bytes();
+    const int64_t llc = last_level_cache_bytes(), l2 = cache_bytes(2);
     const int64_t kv_bytes = a.batch_heads / a.group * a.kv_len * (a.head_dim + a.value_dim) * a.kv_item_bytes();
+    const bool intel = std::strcmp(cpu_vendor(), "GenuineIntel") == 0;
+    const bool by_size = intel ? l2 > 0 && kv_bytes > int64_t(std::max(num_threads, 1)) * l2
+                               : a.kv_storage != Storage::same && llc > 0 && 2 * kv_bytes >= llc;
     const int mode = g_prefetch.load(std::memory_order_relaxed);
-    a.prefetch_kv = mode < 0 ? a.kv_storage != Storage::same && llc > 0 && 2 * kv_bytes >= llc : mode == 1;
+    a.prefetch_kv = mode < 0 ? by_size : mode == 1;
   }
   const int64_t group = a.group;
   const int64_t kv_heads = a.num_heads / group;  // key/value heads per batch entry

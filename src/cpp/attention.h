@@ -300,6 +300,8 @@ bool set_isa(const char* name);
 bool cpu_supports(const char* name);
 // Bytes of the level-1, -2 or -3 data cache one core uses (CPUID), 0 where the CPU does not say.
 int64_t cache_bytes(int level);
+// CPUID's vendor string ("GenuineIntel", "AuthenticAMD", ...), "" off x86.
+const char* cpu_vendor();
 bool isa_compiled(const char* name);
 
 // attention.cpp: the driver (task split, scratch, merges; its parallel loops are parallel.h's).

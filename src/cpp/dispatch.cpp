@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "attention.h"
 
@@ -166,6 +167,23 @@ CacheSizes probe_caches() {
 int64_t cache_bytes(int level) {
   static const CacheSizes sizes = probe_caches();
   return level >= 1 && level <= 3 ? sizes.level[level] : 0;
+}
+
+const char* cpu_vendor() {
+#if defined(PYATTN_X86)
+  static const std::string vendor = [] {
+    unsigned r[4];
+    cpuid(0, 0, r);
+    char name[13] = {};
+    std::memcpy(name, &r[1], 4);  // EBX, EDX, ECX spell the vendor string
+    std::memcpy(name + 4, &r[3], 4);
+    std::memcpy(name + 8, &r[2], 4);
+    return std::string(name);
+  }();
+  return vendor.c_str();
+#else
+  return "";
+#endif
 }
 
 const KernelTable& active_kernels() {

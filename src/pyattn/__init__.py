@@ -71,8 +71,8 @@ def get_isa():
 
 def runtime_info():
     """Version, kernel ISA, available ISAs, thread count, OpenMP runtime, compiler and per-ISA
-    compiler flags, and the L2 / last-level cache sizes the kernels plan with (bytes, CPUID; 0 =
-    unknown), as a dict."""
+    compiler flags, the CPU vendor and the L2 / last-level cache sizes the kernels plan with (bytes,
+    CPUID; 0 = unknown), as a dict."""
     return {
         "version": __version__,
         "isa": get_isa(),
@@ -81,6 +81,7 @@ def runtime_info():
         "openmp": _core.openmp_runtime(),
         "compiler": _core.compiler(),
         "flags": _core.isa_flags(),
+        "cpu_vendor": _core.cpu_vendor(),
         "l2_cache_bytes": int(_core.cache_bytes(2)),
         "l3_cache_bytes": int(_core.cache_bytes(3)),
     }

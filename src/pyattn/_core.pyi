@@ -116,6 +116,9 @@ def _convert_half(src: np.ndarray, dst: np.ndarray, num_threads: int = 0) -> Non
     same size aligned to their element size, rounding to nearest even like NumPy's astype;
     TypeError/ValueError otherwise."""
 
+def cpu_vendor() -> str:
+    """CPUID's vendor string ("GenuineIntel", "AuthenticAMD", ...), "" off x86."""
+
 def cache_bytes(level: int) -> int:
     """Bytes of this CPU's level 1-3 data cache per core, from CPUID (0 where it does not say)."""
 
