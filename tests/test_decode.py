@@ -781,7 +781,8 @@ def test_decode_path_bitwise_across_thread_counts(isa, rng, name, q_len):
 
 def prefetch(mode):
     """The software prefetch of K/V: 1 forced on, 0 off, -1 (the default): the decode kernel prefetches
-    16-bit K and V that outgrow half the last-level cache."""
+    by vendor and sizes (AMD: 16-bit K and V that outgrow half the last-level cache; Intel: any K and
+    V that outgrow the threads' L2s)."""
     return core_setting(pyattn._core._set_prefetch, mode)
 
 
