@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: MIT
-"""The core's float16 <-> float32 conversion (pyattn._core._convert_half), which scaled_dot_product_attention
-uses for float16 queries, masks and outputs: bit-identical to NumPy's astype (IEEE 754, round to nearest
-even) on every compiled ISA, for every float16 pattern, float32 values of every magnitude, exact
-rounding ties, overflow and specials; sizes around the vector width and the per-thread chunk; errors.
-NaN payloads may differ (the vector instructions quiet a signalling NaN; NumPy keeps it), so NaN is
-only required to stay NaN."""
+"""The core's float16/bfloat16 <-> float32 conversions (pyattn._core._convert_half), which
+scaled_dot_product_attention uses for 16-bit queries, masks and outputs: bit-identical to NumPy's
+float16 astype (IEEE 754, round to nearest even) and to ml_dtypes' bfloat16 astype on every compiled
+ISA, for every 16-bit pattern, float32 values of every magnitude, exact rounding ties, overflow and
+specials; sizes around the vector width and the per-thread chunk; errors. float16 NaN payloads may
+differ (the vector instructions quiet a signalling NaN; NumPy keeps it), so NaN is only required to
+stay NaN there; bfloat16 matches ml_dtypes bit for bit, NaN included (the quiet NaN of its sign)."""
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -51,6 +53,29 @@ def test_float_to_half_rounds_like_numpy(isa):
     assert_same(narrow.view(np.float16), expected)
 
 
+def test_bfloat16_to_float_every_pattern(isa):
+    wide = np.full(ALL_HALVES.size, np.nan, np.float32)
+    _core._convert_half(ALL_HALVES, wide, 2, bfloat16=True)
+    expected = ALL_HALVES.view(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(wide.view(np.uint32), expected.view(np.uint32))  # a shift: NaN payloads too
+
+
+def test_float_to_bfloat16_rounds_like_ml_dtypes(isa):
+    # float16's cases, plus exact midpoints between neighbouring bfloat16 values (ties to even: the
+    # low 16 bits 0x8000) and one float32 ulp either side, subnormal and NaN patterns of both signs.
+    tops = ALL_HALVES.astype(np.uint32) << np.uint32(16)
+    mid = tops | np.uint32(0x8000)
+    bits = np.concatenate([mid, mid - np.uint32(1), mid + np.uint32(1), tops | np.uint32(0x7FFF),
+                           np.uint32([0x7F800001, 0xFF800001, 0x7FBFFFFF, 0x7FC00001, 0xFFFFFFFF, 0x00000001,
+                                      0x007FFFFF, 0x80008000, 0x7F7FFFFF, 0xFF7F8000])])
+    values = np.concatenate([float32_cases(), bits.view(np.float32)])
+    narrow = np.zeros(values.size, np.uint16)
+    _core._convert_half(values, narrow, 2, bfloat16=True)
+    with np.errstate(invalid="ignore", over="ignore"):
+        expected = values.astype(ml_dtypes.bfloat16).view(np.uint16)
+    np.testing.assert_array_equal(narrow, expected)
+
+
 @pytest.mark.parametrize("n", [0, 1, 7, 15, 16, 17, 33, (1 << 16) - 1, (1 << 17) + 5, 3 * (1 << 16) + 11])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_sizes_and_thread_chunks(isa, rng, n, threads):
@@ -62,6 +87,11 @@ def test_sizes_and_thread_chunks(isa, rng, n, threads):
     wide = np.full(n, np.nan, np.float32)
     _core._convert_half(narrow, wide, threads)
     assert_same(wide, narrow.view(np.float16).astype(np.float32))
+    _core._convert_half(values, narrow, threads, bfloat16=True)
+    np.testing.assert_array_equal(narrow, values.astype(ml_dtypes.bfloat16).view(np.uint16))
+    wide = np.full(n, np.nan, np.float32)
+    _core._convert_half(narrow, wide, threads, bfloat16=True)
+    np.testing.assert_array_equal(wide, narrow.view(ml_dtypes.bfloat16).astype(np.float32))
 
 
 def test_errors():
@@ -95,18 +125,22 @@ def misaligned(shape, dtype):
     return x
 
 
-def test_sdpa_float16_misaligned(rng):
-    """float16 queries, keys, values, masks and out= at odd addresses (which the core's conversion
+HALF_DTYPES = [np.float16, ml_dtypes.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_sdpa_half_misaligned(rng, dtype):
+    """16-bit queries, keys, values, masks and out= at odd addresses (which the core's conversion
     refuses) give the bits of aligned ones: UBSan found the query's conversion reading them in place."""
-    arrays = [rng.standard_normal((2, 3, 37, 16)).astype(np.float16) for _ in range(3)]
-    mask = (rng.standard_normal((37, 37)) * 3).astype(np.float16)
+    arrays = [rng.standard_normal((2, 3, 37, 16)).astype(dtype) for _ in range(3)]
+    mask = (rng.standard_normal((37, 37)) * 3).astype(dtype)
     expected = pyattn.scaled_dot_product_attention(*arrays, mask)
     moved = []
     for x in arrays + [mask]:
-        m = misaligned(x.shape, np.float16)
+        m = misaligned(x.shape, dtype)
         m[...] = x
         moved.append(m)
-    out = misaligned(expected.shape, np.float16)
+    out = misaligned(expected.shape, dtype)
     got = pyattn.scaled_dot_product_attention(*moved[:3], moved[3], out=out)
     assert got is out
     np.testing.assert_array_equal(out.view(np.uint16), expected.view(np.uint16))
@@ -114,17 +148,18 @@ def test_sdpa_float16_misaligned(rng):
         np.testing.assert_array_equal(m.view(np.uint16), x.view(np.uint16))  # inputs untouched
 
 
-def test_sdpa_float16_paths_agree(rng):
-    """float16 SDPA converts contiguous queries, masks and outputs with the core and strided ones with
-    NumPy: both give the same bits (a strided view of the same values)."""
-    q, k, v = (rng.standard_normal((2, 3, 40, 16)).astype(np.float16) for _ in range(3))
-    mask = (rng.standard_normal((40, 40)) * 3).astype(np.float16)
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_sdpa_half_paths_agree(rng, dtype):
+    """16-bit SDPA converts contiguous queries, masks and outputs with the core and strided ones with
+    NumPy / ml_dtypes: both give the same bits (a strided view of the same values)."""
+    q, k, v = (rng.standard_normal((2, 3, 40, 16)).astype(dtype) for _ in range(3))
+    mask = (rng.standard_normal((40, 40)) * 3).astype(dtype)
     got = pyattn.scaled_dot_product_attention(q, k, v, mask)
-    wide_q = np.zeros((2, 3, 40, 32), np.float16)
+    wide_q = np.zeros((2, 3, 40, 32), dtype)
     wide_q[..., ::2] = q  # the same values through a non-contiguous view
     strided_q = wide_q[..., ::2]
     assert not strided_q.flags.c_contiguous
-    wide_mask = np.zeros((40, 80), np.float16)
+    wide_mask = np.zeros((40, 80), dtype)
     wide_mask[:, ::2] = mask
     strided = pyattn.scaled_dot_product_attention(strided_q, k, v, wide_mask[:, ::2])
     np.testing.assert_array_equal(got.view(np.uint16), strided.view(np.uint16))

@@ -560,12 +560,16 @@ void convert_parallel(const From* src, To* dst, int64_t n, int num_threads, F co
 }
 }  // namespace
 
-void convert_half(const uint16_t* src, float* dst, int64_t n, int num_threads) {
-  convert_parallel(src, dst, n, num_threads > 0 ? num_threads : default_num_threads(), active_kernels().half_to_float);
+void convert_half(const uint16_t* src, float* dst, int64_t n, int num_threads, bool bfloat16) {
+  const KernelTable& kt = active_kernels();
+  convert_parallel(src, dst, n, num_threads > 0 ? num_threads : default_num_threads(),
+                   bfloat16 ? kt.bf16_to_float : kt.half_to_float);
 }
 
-void convert_half(const float* src, uint16_t* dst, int64_t n, int num_threads) {
-  convert_parallel(src, dst, n, num_threads > 0 ? num_threads : default_num_threads(), active_kernels().float_to_half);
+void convert_half(const float* src, uint16_t* dst, int64_t n, int num_threads, bool bfloat16) {
+  const KernelTable& kt = active_kernels();
+  convert_parallel(src, dst, n, num_threads > 0 ? num_threads : default_num_threads(),
+                   bfloat16 ? kt.float_to_bf16 : kt.float_to_half);
 }
 
 }  // namespace pyattn

@@ -396,7 +396,7 @@ PYBIND11_MODULE(_core, m) {
         "(for tests). Returns the previous limit.");
   m.def(
       "_convert_half",
-      [](const py::array& src, const py::array& dst, int threads) {
+      [](const py::array& src, const py::array& dst, int threads, bool bfloat16) {
         const bool widen = src.dtype().is(py::dtype::of<uint16_t>()) && dst.dtype().is(py::dtype::of<float>());
         const bool narrow = src.dtype().is(py::dtype::of<float>()) && dst.dtype().is(py::dtype::of<uint16_t>());
         if (!widen && !narrow) throw py::type_error("_convert_half: expected uint16 -> float32 or float32 -> uint16 arrays");
@@ -413,16 +413,17 @@ PYBIND11_MODULE(_core, m) {
           const uint16_t* s = static_cast<const uint16_t*>(src.data());
           float* d = static_cast<float*>(const_cast<void*>(dst.data()));
           py::gil_scoped_release release;
-          convert_half(s, d, n, threads);
+          convert_half(s, d, n, threads, bfloat16);
         } else {
           const float* s = static_cast<const float*>(src.data());
           uint16_t* d = static_cast<uint16_t*>(const_cast<void*>(dst.data()));
           py::gil_scoped_release release;
-          convert_half(s, d, n, threads);
+          convert_half(s, d, n, threads, bfloat16);
         }
       },
-      py::arg("src"), py::arg("dst"), py::arg("num_threads") = 0,
-      "float16 bits (uint16) <-> float32, element by element as IEEE 754 rounds (to nearest even).");
+      py::arg("src"), py::arg("dst"), py::arg("num_threads") = 0, py::arg("bfloat16") = false,
+      "float16 bits (uint16) <-> float32, element by element as IEEE 754 rounds (to nearest even); with "
+      "bfloat16=True bfloat16 bits, rounded as ml_dtypes rounds (to nearest even, NaN to the quiet NaN).");
   m.def("cache_bytes", &cache_bytes, py::arg("level"),
         "Bytes of this CPU's level 1-3 data cache per core, from CPUID (0 where it does not say).");
   m.def("cpu_vendor", []() { return std::string(cpu_vendor()); }, "CPUID's vendor string, '' off x86.");

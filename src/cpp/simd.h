@@ -76,6 +76,15 @@ inline float half_to_float(uint16_t h) {
   return bits_to_float(sign | ((exp + 127 - 15) << 23) | (man << 13));
 }
 
+// float32 to bfloat16 bits as ml_dtypes (Eigen) rounds: the top 16 bits, rounded to nearest even
+// (subnormals kept as they are, overflow to inf); a NaN becomes the quiet NaN 0x7fc0 with its sign.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return uint16_t(((x >> 16) & 0x8000u) | 0x7fc0u);
+  return uint16_t((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
 // float32 to IEEE binary16 bits, rounded to nearest even as F16C's vcvtps2ph does: values from
 // 65520 up become inf; below 2^-14 the result is subnormal (or zero); a NaN stays NaN, quieted, with
 // the top bits of its payload.
@@ -237,6 +246,17 @@ struct Simd<float> {
   static reg load_bf16(const uint16_t* p) {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+  // float_to_bf16 per lane: bias by 0x7fff plus the kept part's lowest bit (ties to even), keep the
+  // top 16 bits (a lane is then at most 0xffff, so vpmovdw's truncation is exact); NaN lanes take
+  // the signed quiet NaN instead (their biased sum may have carried out of the lane).
+  static void store_bf16(uint16_t* p, reg x) {
+    const __m512i b = _mm512_castps_si512(x), top = _mm512_srli_epi32(b, 16);
+    const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(top, _mm512_set1_epi32(1)));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(b, bias), 16);
+    const __m512i quiet = _mm512_or_si512(_mm512_and_si512(top, _mm512_set1_epi32(0x8000)), _mm512_set1_epi32(0x7fc0));
+    const __m512i r = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), quiet);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
   }
   // Raw bits, the widest load there is (the read-bandwidth ceiling, KernelTable::xor_bytes).
   using breg = __m512i;
@@ -456,6 +476,17 @@ struct Simd<float> {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
+  // float_to_bf16 per lane, as the AVX-512 flavour; the lanes (each at most 0xffff) are packed to
+  // 16 bits within each 128-bit half (vpackusdw) and the halves' low quadwords gathered.
+  static void store_bf16(uint16_t* p, reg x) {
+    const __m256i b = _mm256_castps_si256(x), top = _mm256_srli_epi32(b, 16);
+    const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(top, _mm256_set1_epi32(1)));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(b, bias), 16);
+    const __m256i quiet = _mm256_or_si256(_mm256_and_si256(top, _mm256_set1_epi32(0x8000)), _mm256_set1_epi32(0x7fc0));
+    const __m256i r = _mm256_blendv_epi8(rounded, quiet, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
   using breg = __m256i;
   static breg load_bits(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
   static breg xor_bits(breg a, breg b) { return _mm256_xor_si256(a, b); }
@@ -581,6 +612,7 @@ struct Simd {
   static reg load_f16(const uint16_t* p) { return T(half_to_float(*p)); }
   static void store_f16(uint16_t* p, reg x) { *p = float_to_half(float(x)); }
   static reg load_bf16(const uint16_t* p) { return T(bf16_to_float(*p)); }
+  static void store_bf16(uint16_t* p, reg x) { *p = float_to_bf16(float(x)); }
   using breg = uint64_t;
   static breg load_bits(const void* p) {
     uint64_t x;

@@ -111,10 +111,11 @@ def _set_group_tiles(on: int) -> int:
     """Whether the query tiles take the heads of a GQA group together (1, the default) or head by
     head (0, for tests). Returns the previous setting."""
 
-def _convert_half(src: np.ndarray, dst: np.ndarray, num_threads: int = 0) -> None:
+def _convert_half(src: np.ndarray, dst: np.ndarray, num_threads: int = 0, bfloat16: bool = False) -> None:
     """float16 bit patterns (uint16) to float32 or float32 to float16 bits, C-contiguous arrays of the
     same size aligned to their element size, rounding to nearest even like NumPy's astype;
-    TypeError/ValueError otherwise."""
+    TypeError/ValueError otherwise. bfloat16=True: bfloat16 bits, rounded like ml_dtypes' astype
+    (to nearest even; NaN to the quiet NaN of its sign)."""
 
 def cpu_vendor() -> str:
     """CPUID's vendor string ("GenuineIntel", "AuthenticAMD", ...), "" off x86."""
