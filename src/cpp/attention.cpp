@@ -239,7 +239,7 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
   {
     const int64_t llc = last_level_cache_bytes(), l2 = cache_bytes(2);
     const int64_t kv_bytes = a.batch_heads / a.group * a.kv_len * (a.head_dim + a.value_dim) * a.kv_item_bytes();
-    const bool intel = std::strcmp(cpu_vendor(), "GenuineIntel") == 0;
+    static const bool intel = std::strcmp(cpu_vendor(), "GenuineIntel") == 0;  // once, not per step
     const bool by_size = intel ? l2 > 0 && kv_bytes > int64_t(std::max(num_threads, 1)) * l2
                                : a.kv_storage != Storage::same && llc > 0 && 2 * kv_bytes >= llc;
     const int mode = g_prefetch.load(std::memory_order_relaxed);
