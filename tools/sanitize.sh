@@ -3,7 +3,7 @@
 # Builds pyattn with AddressSanitizer + UndefinedBehaviorSanitizer into a scratch virtual environment
 # and runs the test suite against that build. Any sanitizer report fails the run.
 #
-#   tools/sanitize.sh                 # whole suite (about 3 minutes on 2 cores, build included)
+#   tools/sanitize.sh                 # whole suite (3-7 minutes on 2 cores, build included)
 #   tools/sanitize.sh -k "fuzz or api" # extra arguments go to pytest
 #
 # Environment: PYTHON (default python3), PYATTN_SANITIZE (default address,undefined),
@@ -43,7 +43,7 @@ echo "== sanitize: building pyattn with -fsanitize=$sanitizers ($cxx, $libasan)"
 venv_python="$work/venv/bin/python"
 "$venv_python" -m pip install --quiet --upgrade pip
 "$venv_python" -m pip install --quiet numpy "pytest>=7" "hypothesis>=6"
-# RelWithDebInfo keeps -g (the CMake file still adds -O3); install.strip=false keeps the symbols so
+# RelWithDebInfo keeps -g (the CMake file sets -O1 for sanitizer builds); install.strip=false keeps the symbols so
 # reports show function names and lines. Warnings are errors in this build (PYATTN_WERROR), so CI
 # also fails on a new compiler warning.
 "$venv_python" -m pip install --quiet . \
