@@ -88,6 +88,25 @@ def test_tile_widths(isa, dtype, rng, q_len, variant):
     check_against_reference(q, k, v, mask, is_causal="lower_right", return_weights=variant == "weights")
 
 
+# Tiles of fewer row vectors than the widest (a block's remainder, the causal diagonal's first row
+# vectors) run wider register tiles: more key and value columns per tile (AVX2 float32: 2 x 6 and
+# 1 x 12; AVX-512: 3 x 5, 2 x 8, 1 x 16), then 4-column tiles, then single columns. Remainders of one
+# and two row vectors on every ISA and dtype (q_len 24k + 8/16, 64k + 16/32/48, 12k + 4/8), value and
+# key counts around those widths, forbidden keys whose V rows are NaN (the guarded P.V tiles), the
+# lower-right causal diagonal, and the weights.
+@pytest.mark.parametrize("q_len", [20, 32, 40, 80, 112])
+@pytest.mark.parametrize("value_dim", [1, 3, 5, 6, 7, 8, 11, 12, 13, 17, 24, 25, 33])
+def test_narrow_tile_columns(isa, dtype, rng, q_len, value_dim):
+    kv_len = q_len + 29
+    q, k, v = make_qkv(rng, dtype, q_heads=1, q_len=q_len, kv_len=kv_len, head_dim=7, value_dim=value_dim)
+    v = v.copy()
+    allowed = rng.random((q_len, kv_len)) < 0.85
+    allowed[:, 5] = False
+    v[..., 5, :] = np.nan
+    check_against_reference(q, k, v, allowed, is_causal="lower_right", return_weights=value_dim % 4 == 1)
+    check_against_reference(q, k, v, allowed)
+
+
 @pytest.mark.parametrize(
     "q_len, kv_len, options",
     [

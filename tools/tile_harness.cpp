@@ -1,0 +1,134 @@
+// SPDX-License-Identifier: MIT
+// A developer's harness for the prefill tile kernel (kernels.inc, KernelSet::attend): one thread calls
+// the kernel of one ISA directly, without the driver, the binding or Python, for every query block
+// of one head, and prints GFLOP/s over samples of consecutive calls, each followed by the same
+// thread's FMA peak (fma_loop, registers only), and the median of their ratio per sample, so that
+// both share the machine's spell.
+//
+// Why it exists: bench/bench_sdpa.py runs two threads with Python in the loop on a shared VM whose
+// speed drifts by 10-20%; a change of a few per cent in the tile kernel needs CPU time of one
+// thread, interleaved with the peak, and A/B builds alternated (as tools/decode_harness.cpp does for
+// the decode kernel). It is not built by CI or pip; it includes kernels.inc like kernels_<isa>.cpp.
+//
+// Build and run (from the repository root; AVX-512: -DHARNESS_AVX512 -mavx512f):
+//   g++ -O3 -std=c++17 -mavx2 -mfma -mf16c -Isrc/cpp tools/tile_harness.cpp -o /tmp/th
+//   /tmp/th Q_LEN KV_LEN HEAD_DIM SECONDS [CAUSAL]      e.g.  /tmp/th 1024 1024 64 2
+// One head, value_dim = head_dim, float32, no mask (CAUSAL 1: upper-left causal); the query blocks
+// are the driver's (row_vecs x lanes rows, the last one narrower). GFLOP/s = 4 * q_len * kv_len *
+// head_dim (causal: allowed pairs only) / time. Environment: PREFETCH=1 sets AttnArgs::prefetch_kv.
+
+#if defined(HARNESS_AVX512)
+#define PYATTN_ISA_NS avx512
+#define PYATTN_ISA_NAME "avx512"
+#define PYATTN_SIMD_AVX512 1
+#else
+#define PYATTN_ISA_NS avx2
+#define PYATTN_ISA_NAME "avx2"
+#define PYATTN_SIMD_AVX2 1
+#endif
+#include "kernels.inc"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <random>
+#include <vector>
+
+namespace {
+
+double thread_seconds() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace pyattn;
+  if (argc != 5 && argc != 6) {
+    std::fprintf(stderr, "usage: %s Q_LEN KV_LEN HEAD_DIM SECONDS [CAUSAL]\n", argv[0]);
+    return 2;
+  }
+  const int64_t q_len = std::atoll(argv[1]), kv_len = std::atoll(argv[2]), dim = std::atoll(argv[3]);
+  const double seconds = std::atof(argv[4]);
+  const bool causal = argc == 6 && std::atoi(argv[5]) != 0;
+  if (q_len < 1 || kv_len < 1 || dim < 1 || seconds <= 0) {
+    std::fprintf(stderr, "bad arguments\n");
+    return 2;
+  }
+  const KernelTable& table = PYATTN_ISA_NS::kernel_table();
+  const KernelSet<float>& ks = table.f32;
+
+  std::mt19937 gen(1);
+  std::normal_distribution<float> normal;
+  std::vector<float> q(size_t(q_len * dim)), k(size_t(kv_len * dim)), v(size_t(kv_len * dim)), out(size_t(q_len * dim));
+  for (float& x : q) x = normal(gen);
+  for (float& x : k) x = normal(gen);
+  for (float& x : v) x = normal(gen);
+  const int64_t zero = 0;
+  AttnArgs<float> a;
+  a.q = q.data();
+  a.k = k.data();
+  a.v = v.data();
+  a.out = out.data();
+  a.q_offset = a.k_offset = a.v_offset = &zero;
+  a.q_stride_l = a.k_stride_s = a.v_stride_s = a.out_stride_l = dim;
+  a.batch_heads = a.num_heads = a.group = 1;
+  a.q_len = q_len;
+  a.kv_len = kv_len;
+  a.head_dim = a.value_dim = dim;
+  a.causal = causal;
+  a.scale = 1.0 / std::sqrt(double(dim));
+  // PREFETCH=1: the tiles' K/V row prefetch on (AttnArgs::prefetch_kv; the driver's choice by sizes).
+  a.prefetch_kv = std::getenv("PREFETCH") && std::atoi(std::getenv("PREFETCH")) != 0;
+
+  const int64_t block_rows = q_len <= ks.lanes ? ks.lanes : int64_t(ks.lanes) * ks.row_vecs;
+  const int64_t key_block = ks.key_block(block_rows);
+  std::vector<float> qt(size_t(dim * block_rows)), st(size_t(key_block * block_rows));
+  std::vector<float> acc(static_cast<size_t>(block_rows * dim)), row_m(static_cast<size_t>(block_rows)), row_l(static_cast<size_t>(block_rows));
+  Scratch<float> s{qt.data(), st.data(), RowState<float>{acc.data(), row_m.data(), row_l.data()}};
+  auto one_call = [&] {
+    for (int64_t i0 = 0; i0 < q_len; i0 += block_rows) {
+      const Tile t{0, i0, std::min(block_rows, q_len - i0), 0, kv_len};
+      const int64_t bm = std::min(block_rows, (t.rows + ks.lanes - 1) / ks.lanes * ks.lanes);
+      ks.attend(a, t, bm, s);
+      ks.finalize(s.state, bm, t.rows, dim, out.data() + i0 * dim, dim);
+    }
+  };
+  double pairs = 0;
+  for (int64_t i = 0; i < q_len; ++i) pairs += causal ? double(std::min(kv_len, i + 1)) : double(kv_len);
+  const double flops = 4.0 * pairs * double(dim);
+
+  one_call();  // warm-up
+  const double t_first = thread_seconds();
+  one_call();
+  const double first = std::max(thread_seconds() - t_first, 1e-7);
+  const int64_t batch = std::max<int64_t>(1, int64_t(2e-3 / first));  // samples of >= ~2 ms
+  // Each sample is a block of calls followed by a short FMA-peak loop; their ratio is taken per
+  // sample, so that a slow spell of the host (the peak moved by 30% within seconds on Zen 3) scales
+  // both sides of it alike.
+  std::vector<double> rates, peaks, ratios;
+  const double t_end = thread_seconds() + seconds;
+  while (thread_seconds() < t_end || rates.size() < 5) {
+    const double t0 = thread_seconds();
+    for (int64_t c = 0; c < batch; ++c) one_call();
+    const double rate = flops * double(batch) / (thread_seconds() - t0) * 1e-9;
+    const double p0 = thread_seconds();
+    const double done = table.fma_loop(100000);
+    const double peak = done / (thread_seconds() - p0) * 1e-9;
+    rates.push_back(rate);
+    peaks.push_back(peak);
+    ratios.push_back(rate / peak);
+  }
+  std::sort(rates.begin(), rates.end());
+  std::sort(peaks.begin(), peaks.end());
+  std::sort(ratios.begin(), ratios.end());
+  const size_t n = rates.size();
+  std::printf("%s q %lld kv %lld dim %lld%s: GFLOP/s median %.1f max %.1f | FMA peak median %.1f | %% of peak per sample: "
+              "median %.1f p75 %.1f [%zu samples] out[0]=%.6g\n",
+              PYATTN_ISA_NAME, (long long)q_len, (long long)kv_len, (long long)dim, causal ? " causal" : "", rates[n / 2],
+              rates[n - 1], peaks[n / 2], 100.0 * ratios[n / 2], 100.0 * ratios[n * 3 / 4], n, double(out[0]));
+  return 0;
+}
