@@ -228,6 +228,14 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
   //   bfloat16 16k 1.60x; 4 new tokens per step float16 16k 1.29x (8 K/V heads), 1.21x (32); at the
   //   threshold (16 MiB) 0.98-1.19x. float32 K/V (a plain stream its prefetchers keep at full
   //   speed) 0.97-0.99x with 8 K/V heads, 0.85-0.99x with 32: left to them.
+  //   The same holds for float32 K/V where 256-bit vectors are the widest (Zen 3: AVX2, 512 KiB
+  //   L2, 32 MiB L3) and at least 4 query rows share each K/V row: there the arithmetic per row is
+  //   long enough too (a float32 row for 4 query rows takes ~57 ns of one core with K/V in L2,
+  //   tools/decode_harness.cpp, against ~100 ns for the two cores to read the 1 KiB of two rows).
+  //   Zen 3, 2 threads, 32 query heads, head_dim 128, float32, prefetch off / on alternating in one
+  //   process, medians of 12 rounds: 8 K/V heads 4k keys 1.19x, 16k 1.12x, 64k 1.13x, B = 8 at 4k
+  //   1.12x; 32 K/V heads with 4 new tokens 1.06x; 2 query rows per K/V row (16 K/V heads, or 32
+  //   with 2 new tokens) 0.99-1.03x and one row 1.03x (left off).
   // * Intel (a Sapphire Rapids-class Xeon VM: 2 MiB L2, a 480 MiB L3 shared with other tenants):
   //   every K/V that outgrows the threads' L2s gains, from the L3 as from memory, float32 too.
   //   float16 16 MiB 1.03-1.06x, 64 MiB 1.19x, 128 MiB (B = 8 at 4k) 1.99x, bfloat16 64 MiB 1.10x,
@@ -240,8 +248,12 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
     const int64_t llc = last_level_cache_bytes(), l2 = cache_bytes(2);
     const int64_t kv_bytes = a.batch_heads / a.group * a.kv_len * (a.head_dim + a.value_dim) * a.kv_item_bytes();
     static const bool intel = std::strcmp(cpu_vendor(), "GenuineIntel") == 0;  // once, not per step
+    // Long arithmetic per K/V row (AMD): 16-bit rows, or float32 rows for 4+ query rows in 256-bit
+    // vectors (8 float32 lanes).
+    const bool busy_rows = a.kv_storage != Storage::same ||
+                           (sizeof(T) == 4 && ks.lanes <= 8 && a.group * a.q_len >= 4);
     const bool by_size = intel ? l2 > 0 && kv_bytes > int64_t(std::max(num_threads, 1)) * l2
-                               : a.kv_storage != Storage::same && llc > 0 && 2 * kv_bytes >= llc;
+                               : busy_rows && llc > 0 && 2 * kv_bytes >= llc;
     const int mode = g_prefetch.load(std::memory_order_relaxed);
     a.prefetch_kv = mode < 0 ? by_size : mode == 1;
   }
@@ -403,11 +415,20 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
   // alternating runs; these went without it when the threshold was the whole L3. At 12 MiB it
   // depends on the neighbours' use of the L3 at the time (0.8x-1.36x across runs), so it stays off.
   // (A streaming read of one buffer here drops from L3 to memory speed between 16 and 24 MiB.)
+  // On AMD the threshold is also at most 16 L2s: a Zen 3 VM (512 KiB L2, the same 32 MiB L3, whose
+  // streaming read drops to memory speed between 12 and 16 MiB already) gains from 6 MiB on (B x 12
+  // x 128 x 64, two threads, off / on alternating in one process, medians of 15 rounds: 1.6 MiB
+  // 0.93x, 3.1 MiB 0.97x, 6.3 MiB 1.03x, 9.4 MiB 1.15x, 12.6 MiB 1.13x (one thread 1.21x), 15.7
+  // MiB 1.15x; 12 x 12 x 64 x 64, 9.4 MiB, 1.14x). 16 L2s leave Zen 4's threshold where it was.
+  // Intel keeps half the LLC (a Sapphire Rapids-class Xeon with 2 MiB L2s and a 480 MiB L3
+  // measured 0.94x at 50 MiB, 1.12x at 100 MiB).
+  static const bool amd = std::strcmp(cpu_vendor(), "AuthenticAMD") == 0;
+  const int64_t cached_bytes = amd && l2 > 0 ? std::min(llc / 2, 16 * l2) : llc / 2;
   const int64_t item_bytes = block_rows * (a.head_dim + a.value_dim) * int64_t(sizeof(T)) +
                              std::min(a.kv_len, split.chunk) * kv_row_bytes;
   const int64_t call_bytes = a.batch_heads * a.q_len * (a.head_dim + a.value_dim) * int64_t(sizeof(T)) +
                              kv_heads * a.kv_len * kv_row_bytes;
-  const bool prefetch_items = prefetch_mode < 0 ? !a.prefetch_kv && l2 > 0 && 2 * call_bytes >= llc && item_bytes <= l2 / 2
+  const bool prefetch_items = prefetch_mode < 0 ? !a.prefetch_kv && l2 > 0 && call_bytes >= cached_bytes && item_bytes <= l2 / 2
                                                 : prefetch_mode == 2;
   std::vector<ItemPrefetch> next_items(prefetch_items ? size_t(threads) : 0);
 
