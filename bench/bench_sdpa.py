@@ -19,7 +19,8 @@ What is measured, per (shape, variant) row, all in float32 with the same thread 
   so no row is fully masked);
 * pyattn time (median and min of many runs after a warm-up; runs repeat until both ``--min-time``
   seconds and ``--min-runs`` runs are reached, spread over ``--rounds`` blocks that alternate with
-  the peers' blocks, so a slow spell of the machine hits every library alike), GFLOP/s, % of the FMA peak measured in the same run,
+  the peers' blocks, so a slow spell of the machine hits every library alike), GFLOP/s, % of the FMA peak
+  measured right before and after the row (the higher one; the header's peak is the run's start),
   and for decode rows the K+V read bandwidth (GB/s, % of the measured read bandwidth, and %rd: % of a
   plain streaming read of that row's own K and V arrays, which shares their page backing);
 * max abs error of pyattn's output against ``pyattn.reference`` (float64). Rows with
@@ -425,6 +426,7 @@ def print_header(info: dict, peers: list[str]) -> None:
             print("WARNING: other processes are using the CPUs; timings will be noisy and slow")
     print("dtype float32; times in ms = median over runs (min ms = fastest run); warm-up excluded")
     print("GFLOP/s = 4*B*H*D*pairs / time; none/mask rows count all L*S pairs, causal only allowed ones")
+    print("%peak = of the FMA peak measured right before and after the row (the higher; the machine drifts)")
     print("GB/s (decode rows only) = bytes of K+V / time; %bw = of the read bandwidth above; %rd = of a plain"
           " streaming read of the row's own K and V arrays (pyattn._core.read_buffers_gbs, same threads)")
     print(
@@ -485,17 +487,26 @@ def run_row(pyattn, case, variant, inputs, mask, peers, args, ceilings) -> dict:
             fns[name] = PEER_FACTORIES[name](case, variant, q, k, v, mask, args.threads)
         except Exception as exc:  # noqa: BLE001  (an optional peer must not stop the bench)
             peer_errors[name] = exc
+    # The FMA peak right before and after the row (the higher one): on a shared VM the machine's speed
+    # drifts by 20-40% within a run (a Zen 3 host measured 126-184 GFLOP/s at the start of three runs
+    # on one morning), so %peak is taken against the row's own spell, like %rd for the decode rows.
+    row_peak = []
+    if hasattr(pyattn._core, "fma_peak_gflops"):
+        row_peak.append(float(pyattn._core.fma_peak_gflops(args.threads, 0.05 if args.quick else 0.15)))
     timed = time_interleaved(
         fns, rounds=args.rounds, min_time=args.min_time, min_runs=args.min_runs,
         contexts={"numpy": args.blas_limit},
     )
+    if row_peak:
+        row_peak.append(float(pyattn._core.fma_peak_gflops(args.threads, 0.05 if args.quick else 0.15)))
     if isinstance(timed["pyattn"], Exception):
         raise timed["pyattn"]
     t, out = timed["pyattn"]
     err, err_scope = reference_error(pyattn.reference, q, k, v, mask, is_causal, out)
     flops = flop_count(case, variant)
     gflops = flops / t.median / 1e9
-    fma, bw = ceilings["fma_peak_gflops"], ceilings["read_bandwidth_gbs"]
+    fma = max(row_peak) if row_peak else ceilings["fma_peak_gflops"]
+    bw = ceilings["read_bandwidth_gbs"]
     row = {
         "case": case.name,
         "batch": case.batch,
@@ -511,6 +522,7 @@ def run_row(pyattn, case, variant, inputs, mask, peers, args, ceilings) -> dict:
         "pyattn_min_ms": t.min * 1e3,
         "pyattn_runs": t.runs,
         "gflops": gflops,
+        "fma_peak_gflops": fma,
         "pct_fma_peak": 100 * gflops / fma if fma else None,
         "kv_gbs": kv_bytes(case) / t.median / 1e9 if case.is_decode else None,
         "max_abs_err": err,
