@@ -29,33 +29,17 @@
 // cycle), with the softmax removed too 13.4 (the scores: their 32 FMAs, ~8.6, plus the lanes x
 // lanes reductions and the score stores).
 
-#if defined(HARNESS_AVX2)
-#define PYATTN_ISA_NS avx2
-#define PYATTN_ISA_NAME "avx2"
-#define PYATTN_SIMD_AVX2 1
-#else
-#define PYATTN_ISA_NS avx512
-#define PYATTN_ISA_NAME "avx512"
-#define PYATTN_SIMD_AVX512 1
-#endif
-#include "kernels.inc"
+#include "harness.h"
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <ctime>
 #include <random>
 #include <string>
 #include <vector>
 
 namespace {
-
-double thread_seconds() {
-  timespec ts;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9;
-}
 
 uint16_t bf16_bits(float x) {  // truncation is fine here: the values only need to be finite
   uint32_t bits;
@@ -145,17 +129,17 @@ int main(int argc, char** argv) {
   // Samples of several consecutive calls, at least ~100 us each: a single short call can read as 0
   // from the thread CPU clock on some VMs.
   const double first = [&] {
-    const double t0 = thread_seconds();
+    const double t0 = harness::thread_seconds();
     kernels.decode(a, tile, rows, scratch.data(), state);
-    return thread_seconds() - t0;
+    return harness::thread_seconds() - t0;
   }();
   const int64_t batch = first > 0 ? std::max<int64_t>(1, int64_t(100e-6 / first)) : 16;
   const int64_t samples = std::max<int64_t>(1, calls / batch);
   std::vector<double> seconds(static_cast<size_t>(samples));
   for (int64_t n = 0; n < samples; ++n) {
-    const double t0 = thread_seconds();
+    const double t0 = harness::thread_seconds();
     for (int64_t c = 0; c < batch; ++c) kernels.decode(a, tile, rows, scratch.data(), state);
-    seconds[static_cast<size_t>(n)] = (thread_seconds() - t0) / double(batch);
+    seconds[static_cast<size_t>(n)] = (harness::thread_seconds() - t0) / double(batch);
   }
   std::sort(seconds.begin(), seconds.end());
   auto per_row = [&](double s) { return s / double(kv_len) * 1e9; };

@@ -10,40 +10,20 @@
 // thread, interleaved with the peak, and A/B builds alternated (as tools/decode_harness.cpp does for
 // the decode kernel). It is not built by CI or pip; it includes kernels.inc like kernels_<isa>.cpp.
 //
-// Build and run (from the repository root; AVX-512: -DHARNESS_AVX512 -mavx512f):
-//   g++ -O3 -std=c++17 -mavx2 -mfma -mf16c -Isrc/cpp tools/tile_harness.cpp -o /tmp/th
+// Build and run (from the repository root; AVX2 as here, AVX-512: drop -DHARNESS_AVX2, add -mavx512f):
+//   g++ -O3 -std=c++17 -DHARNESS_AVX2 -mavx2 -mfma -mf16c -Isrc/cpp tools/tile_harness.cpp -o /tmp/th
 //   /tmp/th Q_LEN KV_LEN HEAD_DIM SECONDS [CAUSAL]      e.g.  /tmp/th 1024 1024 64 2
 // One head, value_dim = head_dim, float32, no mask (CAUSAL 1: upper-left causal); the query blocks
 // are the driver's (row_vecs x lanes rows, the last one narrower). GFLOP/s = 4 * q_len * kv_len *
 // head_dim (causal: allowed pairs only) / time. Environment: PREFETCH=1 sets AttnArgs::prefetch_kv.
 
-#if defined(HARNESS_AVX512)
-#define PYATTN_ISA_NS avx512
-#define PYATTN_ISA_NAME "avx512"
-#define PYATTN_SIMD_AVX512 1
-#else
-#define PYATTN_ISA_NS avx2
-#define PYATTN_ISA_NAME "avx2"
-#define PYATTN_SIMD_AVX2 1
-#endif
-#include "kernels.inc"
+#include "harness.h"
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <ctime>
 #include <random>
 #include <vector>
-
-namespace {
-
-double thread_seconds() {
-  timespec ts;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9;
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   using namespace pyattn;
@@ -102,22 +82,22 @@ int main(int argc, char** argv) {
   const double flops = 4.0 * pairs * double(dim);
 
   one_call();  // warm-up
-  const double t_first = thread_seconds();
+  const double t_first = harness::thread_seconds();
   one_call();
-  const double first = std::max(thread_seconds() - t_first, 1e-7);
+  const double first = std::max(harness::thread_seconds() - t_first, 1e-7);
   const int64_t batch = std::max<int64_t>(1, int64_t(2e-3 / first));  // samples of >= ~2 ms
   // Each sample is a block of calls followed by a short FMA-peak loop; their ratio is taken per
   // sample, so that a slow spell of the host (the peak moved by 30% within seconds on Zen 3) scales
   // both sides of it alike.
   std::vector<double> rates, peaks, ratios;
-  const double t_end = thread_seconds() + seconds;
-  while (thread_seconds() < t_end || rates.size() < 5) {
-    const double t0 = thread_seconds();
+  const double t_end = harness::thread_seconds() + seconds;
+  while (harness::thread_seconds() < t_end || rates.size() < 5) {
+    const double t0 = harness::thread_seconds();
     for (int64_t c = 0; c < batch; ++c) one_call();
-    const double rate = flops * double(batch) / (thread_seconds() - t0) * 1e-9;
-    const double p0 = thread_seconds();
+    const double rate = flops * double(batch) / (harness::thread_seconds() - t0) * 1e-9;
+    const double p0 = harness::thread_seconds();
     const double done = table.fma_loop(100000);
-    const double peak = done / (thread_seconds() - p0) * 1e-9;
+    const double peak = done / (harness::thread_seconds() - p0) * 1e-9;
     rates.push_back(rate);
     peaks.push_back(peak);
     ratios.push_back(rate / peak);
