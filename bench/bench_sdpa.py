@@ -490,15 +490,15 @@ def run_row(pyattn, case, variant, inputs, mask, peers, args, ceilings) -> dict:
     # The FMA peak right before and after the row (the higher one): on a shared VM the machine's speed
     # drifts by 20-40% within a run (a Zen 3 host measured 126-184 GFLOP/s at the start of three runs
     # on one morning), so %peak is taken against the row's own spell, like %rd for the decode rows.
-    row_peak = []
-    if hasattr(pyattn._core, "fma_peak_gflops"):
-        row_peak.append(float(pyattn._core.fma_peak_gflops(args.threads, 0.05 if args.quick else 0.15)))
+    measure_peak = getattr(pyattn._core, "fma_peak_gflops", None)
+    peak_seconds = 0.05 if args.quick else 0.15
+    row_peak = [float(measure_peak(args.threads, peak_seconds))] if measure_peak else []
     timed = time_interleaved(
         fns, rounds=args.rounds, min_time=args.min_time, min_runs=args.min_runs,
         contexts={"numpy": args.blas_limit},
     )
-    if row_peak:
-        row_peak.append(float(pyattn._core.fma_peak_gflops(args.threads, 0.05 if args.quick else 0.15)))
+    if measure_peak:
+        row_peak.append(float(measure_peak(args.threads, peak_seconds)))
     if isinstance(timed["pyattn"], Exception):
         raise timed["pyattn"]
     t, out = timed["pyattn"]

@@ -64,6 +64,16 @@ std::atomic<int> g_group_tiles{1};  // set_group_tiles: 1 GQA groups' heads toge
 // call's arrays come from memory (the prefetch conditions below).
 int64_t last_level_cache_bytes() { return std::max(cache_bytes(3), cache_bytes(2)); }
 
+// The CPU vendor, for the prefetch rules measured per vendor (compared once, not per call).
+bool cpu_is_intel() {
+  static const bool intel = std::strcmp(cpu_vendor(), "GenuineIntel") == 0;
+  return intel;
+}
+bool cpu_is_amd() {
+  static const bool amd = std::strcmp(cpu_vendor(), "AuthenticAMD") == 0;
+  return amd;
+}
+
 size_t padded(size_t elems, size_t elem_size) {
   const size_t per_line = kAlign / elem_size;
   return (elems + per_line - 1) / per_line * per_line;
@@ -247,12 +257,11 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
   {
     const int64_t llc = last_level_cache_bytes(), l2 = cache_bytes(2);
     const int64_t kv_bytes = a.batch_heads / a.group * a.kv_len * (a.head_dim + a.value_dim) * a.kv_item_bytes();
-    static const bool intel = std::strcmp(cpu_vendor(), "GenuineIntel") == 0;  // once, not per step
     // Long arithmetic per K/V row (AMD): 16-bit rows, or float32 rows for 4+ query rows in 256-bit
     // vectors (8 float32 lanes).
     const bool busy_rows = a.kv_storage != Storage::same ||
                            (sizeof(T) == 4 && ks.lanes <= 8 && a.group * a.q_len >= 4);
-    const bool by_size = intel ? l2 > 0 && kv_bytes > int64_t(std::max(num_threads, 1)) * l2
+    const bool by_size = cpu_is_intel() ? l2 > 0 && kv_bytes > int64_t(std::max(num_threads, 1)) * l2
                                : busy_rows && llc > 0 && 2 * kv_bytes >= llc;
     const int mode = g_prefetch.load(std::memory_order_relaxed);
     a.prefetch_kv = mode < 0 ? by_size : mode == 1;
@@ -422,8 +431,7 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
   // MiB 1.15x; 12 x 12 x 64 x 64, 9.4 MiB, 1.14x). 16 L2s leave Zen 4's threshold where it was.
   // Intel keeps half the LLC (a Sapphire Rapids-class Xeon with 2 MiB L2s and a 480 MiB L3
   // measured 0.94x at 50 MiB, 1.12x at 100 MiB).
-  static const bool amd = std::strcmp(cpu_vendor(), "AuthenticAMD") == 0;
-  const int64_t cached_bytes = amd && l2 > 0 ? std::min(llc / 2, 16 * l2) : llc / 2;
+  const int64_t cached_bytes = cpu_is_amd() && l2 > 0 ? std::min(llc / 2, 16 * l2) : llc / 2;
   const int64_t item_bytes = block_rows * (a.head_dim + a.value_dim) * int64_t(sizeof(T)) +
                              std::min(a.kv_len, split.chunk) * kv_row_bytes;
   const int64_t call_bytes = a.batch_heads * a.q_len * (a.head_dim + a.value_dim) * int64_t(sizeof(T)) +
