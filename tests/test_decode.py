@@ -353,13 +353,16 @@ def test_decode_many_query_rows_per_kv_head(isa, rng, name):
         assert_result_close(got, expected, name)
 
 
-@pytest.mark.parametrize("head_dim", [13, 16, 24, 32, 60, 64, 100, 128])
+@pytest.mark.parametrize("head_dim", [13, 16, 24, 32, 40, 48, 60, 64, 100, 128])
 @pytest.mark.parametrize("name", CACHE_DTYPES)
 def test_decode_group_sizes_and_head_dims(isa, rng, name, head_dim):
     """Every register tiling of the decode kernel: rows of 4 or 8 vectors keep q in registers (as
     many rows at a time as fit), other sizes load it; groups of 1-8 rows per key/value head, odd
     ones leaving a remainder after each tile; 205 keys give whole key blocks and a partial one for
-    every storage (blocks of 128 keys in the compute type, 32 in 16 bits)."""
+    every storage (blocks of 128 keys in the compute type, 32 in 16 bits). Rows of whole vectors are
+    read in place, bfloat16 ones two vectors per load in a paired element order: head_dim 16-48 give
+    odd and even vector counts on both vector widths (AVX2 24, 40: 3, 5; AVX-512 16, 48: 1, 3; 48
+    on AVX2 takes P.V's step of two vectors)."""
     dtype = np_dtype(name)
     for group, q_len in ((1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (8, 1), (3, 2), (4, 2)):
         q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=2 * group, kv_heads=2, q_len=q_len, kv_len=205,
@@ -379,11 +382,12 @@ def kv(rng, batch, heads, chunk, dim, dtype=np.float32):
 
 @pytest.mark.parametrize("name", CACHE_DTYPES)
 def test_cache_storage_placement(name):
-    # A decode step streams a float32/float64 cache with 64-byte vector loads: its storage starts on a
-    # cache line (NumPy puts large arrays 16 bytes past a page, which splits every load). 16-bit
-    # storage starts 16 bytes past one, which measured faster for its 32-byte loads.
+    # A decode step streams a float32/float64 cache with 64-byte vector loads and a bfloat16 one with
+    # two vectors per load: their storage starts on a cache line (NumPy puts large arrays 16 bytes
+    # past a page, which splits those loads). float16 storage starts 16 bytes past one, which
+    # measured faster for its 32-byte loads.
     dtype = np_dtype(name)
-    start = 16 if dtype.itemsize == 2 else 0
+    start = 16 if dtype.name == "float16" else 0
     for max_len in (3, 1000, 70000):
         cache = pyattn.KVCache(2, 3, 40, max_len, value_dim=24, dtype=name)
         assert cache.keys(0).ctypes.data % 64 == start and cache.values(0).ctypes.data % 64 == start
