@@ -37,14 +37,15 @@ def _storage_dtype(dtype):
 # Where the storage starts relative to a 64-byte boundary, by dtype (measured, one thread, 32 query
 # heads over 8 KV heads, head_dim 128). NumPy places large arrays 16 bytes past a page, so every
 # 64-byte vector load of a float32/float64 K/V row straddles two cache lines: aligned storage
-# streams a 1 KiB float32 key+value row in 52-57 ns instead of 64-67 (Zen 4). float16 rows are read
-# with 32-byte loads (AVX-512; 16-byte on AVX2) and are compute-bound; for them the aligned start
-# was the slowest of the four 16-byte steps (31-36 ns per key row against 30-33), so they keep a
-# 16-byte offset. bfloat16 rows are read two vectors per load (64 bytes on AVX-512, 32 on AVX2; see
-# Load<T, BHalf> in decode.inc), which a 16-byte offset splits: aligned, 39.0 -> 36.6 ns per key row
-# (Zen 3, AVX2, tools/decode_harness.cpp).
+# streams a 1 KiB float32 key+value row in 52-57 ns instead of 64-67 (Zen 4). 16-bit rows are
+# compute-bound; for float16 (32-byte loads on AVX-512) the aligned start was the slowest of the
+# four 16-byte steps (31-36 ns per key row against 30-33), so they keep a 16-byte offset. bfloat16
+# rows are read two vectors per load (Load<T, BHalf> in decode.inc), which that offset splits: with
+# K/V in L2 an aligned start was 1.02-1.06x faster (Zen 3, AVX2), but from L3 and memory 0.93-0.98x
+# (storage offsets alternating in one process, 8 KV heads, 4k-16k tokens), so bfloat16 keeps the
+# offset too.
 _ALIGN = 64
-_START = {"float16": 16, "bfloat16": 0, "float32": 0, "float64": 0}
+_START = {"float16": 16, "bfloat16": 16, "float32": 0, "float64": 0}
 
 
 def _storage_zeros(shape, dtype):
