@@ -42,7 +42,7 @@ echo "== sanitize: building pyattn with -fsanitize=$sanitizers ($cxx, $libasan)"
 "$python" -m venv "$work/venv"
 venv_python="$work/venv/bin/python"
 "$venv_python" -m pip install --quiet --upgrade pip
-"$venv_python" -m pip install --quiet numpy "pytest>=7" "hypothesis>=6"
+"$venv_python" -m pip install --quiet numpy "pytest>=7" "hypothesis>=6" "ml_dtypes>=0.2"  # the test extra: bfloat16 tests skip without ml_dtypes
 # RelWithDebInfo keeps -g (the CMake file sets -O1 for sanitizer builds); install.strip=false keeps the symbols so
 # reports show function names and lines. Warnings are errors in this build (PYATTN_WERROR), so CI
 # also fails on a new compiler warning.
