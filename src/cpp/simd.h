@@ -380,11 +380,14 @@ struct Simd<float> {
   // L but 20% slower for 12-row decode chunks (2x3 tiles: 6 chains, latency-bound).
   static constexpr int row_vecs = 3;
   static constexpr int col_tile = 4;
-  // GEMM: 4 rows x 3 ymm = 12 accumulators + 3 loads + 1 broadcast (7 loads per 12 FMAs; 6 x 2 had
-  // 8). One thread, CPU time, against 6 x 2: (M, K, N) = (64, 2048, 2048) 93-94 -> 97-99 GFLOP/s,
-  // (512, 4096, 4096) 94-98 -> 99-101, and a few rows as in decoding, (5, 4096, 4096), 38-40 -> 53.
-  static constexpr int gemm_rows = 4;
-  static constexpr int gemm_vecs = 3;
+  // GEMM: 6 rows x 2 ymm = 12 accumulators + 2 loads + 1 broadcast; each W vector, streamed from L2,
+  // serves 6 rows. 4 x 3 (3 W loads per 4 broadcasts) measured 2-5% faster with the AVX2 kernels
+  // forced on an AVX-512 host (2026-11-30), but on Zen 3, a CPU whose best ISA is AVX2 (so where
+  // these kernels run by default), 6 x 2 won: two threads, old and new builds alternating, M x N x K
+  // 128-4096 x 768-4096 x 384-4096 1.03-1.08x (181-190 GFLOP/s), a few rows as in decoding
+  // (5 x 4096 x 4096) 1.27x; float64 0.99-1.07x and 1.25x.
+  static constexpr int gemm_rows = 6;
+  static constexpr int gemm_vecs = 2;
   static constexpr int vec_regs = 16;  // ymm0-15
   static reg zero() { return _mm256_setzero_ps(); }
   static reg set1(float x) { return _mm256_set1_ps(x); }
@@ -514,8 +517,8 @@ struct Simd<double> {
   // 108-124 -> 95 ms, 1x12x128x64 1.26-1.31 -> 1.16, 12-row GQA chunks over 4096 keys 26.7-30.8 -> 20.7.
   static constexpr int row_vecs = 3;
   static constexpr int col_tile = 4;
-  static constexpr int gemm_rows = 4;  // as float
-  static constexpr int gemm_vecs = 3;
+  static constexpr int gemm_rows = 6;  // as float
+  static constexpr int gemm_vecs = 2;
   static constexpr int vec_regs = 16;
   static reg zero() { return _mm256_setzero_pd(); }
   static reg set1(double x) { return _mm256_set1_pd(x); }
