@@ -122,6 +122,8 @@ def _scale_value(scale, head_dim):
 def _threads_value(num_threads):
     if num_threads is None:
         return 0
+    if type(num_threads) is int and num_threads >= 1:  # the common case without the ABC check (~1 us)
+        return min(num_threads, _MAX_THREADS)
     if isinstance(num_threads, (bool, np.bool_)) or not isinstance(num_threads, numbers.Integral):
         raise TypeError(f"num_threads: expected an int or None, got {type(num_threads).__name__}")
     if num_threads < 1:
