@@ -14,6 +14,8 @@ What is held against what:
 * 16-bit scaled_dot_product_attention and caches, on the decode path (q_len <= DECODE_MAX) and on
   the query tiles (longer queries: every tile width, key blocks converted from 16 bits one at a time)
   against the float64 reference of the rounded inputs;
+* a hypothesis property: any cache (dtype, GQA group, head_dim, cached and new tokens) against the
+  float64 reference;
 * the decode path's key-range split (kv_len 3000) with NaN in forbidden K/V rows, and bitwise
   thread-count determinism (the split depends on the shape only, never on the thread count).
 
@@ -24,6 +26,8 @@ Tolerances: float32/float64 use conftest.TOL; the 16-bit ones live in HALF_TOL b
 import numpy as np
 import pytest
 from conftest import TOL, assert_close, core_setting, make_qkv, nan_guarded, random_array, random_mask
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import pyattn
 from pyattn import reference
@@ -233,6 +237,48 @@ def test_half_cache_attend_equals_float32_cache_of_same_values(isa, rng, name, c
     np.testing.assert_allclose(got, expected, rtol=TOL[np.float32][0], atol=TOL[np.float32][1])
     ref = reference.scaled_dot_product_attention(f64(q), f64(k), f64(v), is_causal="lower_right", enable_gqa=True)
     assert_compute_close(got, ref, np.dtype(np.float32))
+
+
+@st.composite
+def decode_steps(draw):
+    """A random cache and decode step: storage dtype, batch, KV heads, GQA group, head_dim and
+    value_dim (whole vectors or not, odd and even vector counts), tokens already cached (none, a
+    partial key block, several blocks) and new tokens (one, a few, past the decode kernel's limit)."""
+    return dict(
+        name=draw(st.sampled_from(CACHE_DTYPES)),
+        batch=draw(st.integers(1, 2)),
+        kv_heads=draw(st.integers(1, 3)),
+        group=draw(st.integers(1, 5)),
+        head_dim=draw(st.sampled_from([1, 5, 8, 16, 24, 40, 48, 64, 100, 128])),
+        value_dim=draw(st.sampled_from([None, 3, 8, 24, 48])),
+        cached=draw(st.integers(0, 300)),
+        new=draw(st.integers(1, DECODE_MAX + 2)),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(step=decode_steps())
+def test_decode_step_matches_reference_property(isa, step):
+    """Any cache, any step: KVCache.attend against the float64 reference over the stored K/V, with the
+    lower-right causal alignment (the new tokens are the cache's last)."""
+    name, batch, hk = step["name"], step["batch"], step["kv_heads"]
+    d = step["head_dim"]
+    dv = d if step["value_dim"] is None else step["value_dim"]
+    storage, compute = np_dtype(name), compute_dtype(name)
+    rng = np.random.default_rng(step["seed"])
+    total = step["cached"] + step["new"]
+    cache = pyattn.KVCache(batch, hk, d, total, value_dim=dv, dtype=name)
+    k = rng.standard_normal((batch, hk, total, d)).astype(storage)
+    v = rng.standard_normal((batch, hk, total, dv)).astype(storage)
+    if step["cached"]:
+        cache.append(k[:, :, :step["cached"]], v[:, :, :step["cached"]])
+    cache.append(k[:, :, step["cached"]:], v[:, :, step["cached"]:])
+    q = random_array(rng, (batch, hk * step["group"], step["new"], d), compute)
+    got = cache.attend(q)
+    expected = reference.scaled_dot_product_attention(f64(q), f64(k), f64(v), is_causal="lower_right",
+                                                      enable_gqa=True)
+    assert_compute_close(got, expected, compute)
 
 
 # --- ragged batches --------------------------------------------------------------------------------
