@@ -240,11 +240,12 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
   //   speed) 0.97-0.99x with 8 K/V heads, 0.85-0.99x with 32: left to them.
   //   The same holds for float32 K/V where 256-bit vectors are the widest (Zen 3: AVX2, 512 KiB
   //   L2, 32 MiB L3) and at least 4 query rows share each K/V row: there the arithmetic per row is
-  //   long enough too (a float32 row for 4 query rows takes ~57 ns of one core with K/V in L2,
-  //   tools/decode_harness.cpp, against ~100 ns for the two cores to read the 1 KiB of two rows).
-  //   Zen 3, 2 threads, 32 query heads, head_dim 128, float32, prefetch off / on alternating in one
-  //   process, medians of 12 rounds: 8 K/V heads 4k keys 1.19x, 16k 1.12x, 64k 1.13x, B = 8 at 4k
-  //   1.12x; 32 K/V heads with 4 new tokens 1.06x; 2 query rows per K/V row (16 K/V heads, or 32
+  //   long enough too (a float32 row for 4 query rows took ~57 ns of one core with K/V in L2,
+  //   tools/decode_harness.cpp, ~39 ns since P.V's V sub-blocks, against ~65-100 ns for the two
+  //   cores to read the 1 KiB of two rows). Zen 3, 2 threads, 32 query heads, head_dim 128, float32,
+  //   prefetch off / on alternating in one process, medians of 12 rounds: 8 K/V heads 4k keys 1.19x,
+  //   16k 1.12x, 64k 1.13x, B = 8 at 4k 1.12x (after the V sub-blocks: 16k 1.05x, 64k 1.06x, B = 8
+  //   1.07x); 32 K/V heads with 4 new tokens 1.06x; 2 query rows per K/V row (16 K/V heads, or 32
   //   with 2 new tokens) 0.99-1.03x and one row 1.03x (left off).
   // * Intel (a Sapphire Rapids-class Xeon VM: 2 MiB L2, a 480 MiB L3 shared with other tenants):
   //   every K/V that outgrows the threads' L2s gains, from the L3 as from memory, float32 too.

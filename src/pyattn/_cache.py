@@ -34,9 +34,9 @@ def _storage_dtype(dtype):
     return dtype
 
 
-# Where the storage starts relative to a 64-byte boundary, by dtype (measured, one thread, 32 query
-# heads over 8 KV heads, head_dim 128). NumPy places large arrays 16 bytes past a page, so every
-# 64-byte vector load of a float32/float64 K/V row straddles two cache lines: aligned storage
+# Where the storage starts relative to a 64-byte boundary, by element size (measured, one thread, 32
+# query heads over 8 KV heads, head_dim 128). NumPy places large arrays 16 bytes past a page, so
+# every 64-byte vector load of a float32/float64 K/V row straddles two cache lines: aligned storage
 # streams a 1 KiB float32 key+value row in 52-57 ns instead of 64-67 (Zen 4). 16-bit rows are
 # compute-bound; for float16 (32-byte loads on AVX-512) the aligned start was the slowest of the
 # four 16-byte steps (31-36 ns per key row against 30-33), so they keep a 16-byte offset. bfloat16
@@ -45,13 +45,13 @@ def _storage_dtype(dtype):
 # (storage offsets alternating in one process, 8 KV heads, 4k-16k tokens), so bfloat16 keeps the
 # offset too.
 _ALIGN = 64
-_START = {"float16": 16, "bfloat16": 16, "float32": 0, "float64": 0}
+_START = {2: 16, 4: 0, 8: 0}
 
 
 def _storage_zeros(shape, dtype):
     nbytes = math.prod(shape) * dtype.itemsize
     raw = np.zeros(nbytes + 2 * _ALIGN, np.uint8)
-    start = -raw.ctypes.data % _ALIGN + _START[dtype.name]
+    start = -raw.ctypes.data % _ALIGN + _START[dtype.itemsize]
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
