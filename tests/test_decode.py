@@ -339,6 +339,87 @@ def test_ragged_batch_equals_rows_alone(isa, rng, name, left_padded):
         np.testing.assert_array_equal(f64(cache.values(b)), f64(alone[b].values(0)))
 
 
+def step_through_cache_methods(layer, x, cache, num_new, left_padded):
+    """The layer's step over a cache spelled out with the public cache methods: the layer's own
+    projections (its packed GEMM), KVCache.append, KVCache.attend, the output projection."""
+    w = layer._weights
+    batch, chunk = x.shape[:2]
+    rows = x.reshape(batch * chunk, x.shape[2])
+    heads = lambda y, n: y.reshape(batch, chunk, n, w.head_dim).transpose(0, 2, 1, 3)  # noqa: E731
+    cache.append(heads(w.linear(rows, "k", 0), w.num_kv_heads), heads(w.linear(rows, "v", 0), w.num_kv_heads),
+                 num_new=num_new, left_padded=left_padded)
+    context = cache.attend(heads(w.linear(rows, "q", 0), w.num_heads))
+    context = np.ascontiguousarray(context.transpose(0, 2, 1, 3)).reshape(batch * chunk, w.embed_dim)
+    return w.linear(context, "o", 0).reshape(batch, chunk, w.embed_dim)
+
+
+@pytest.mark.parametrize("left_padded", [False, True], ids=["right", "left"])
+@pytest.mark.parametrize("name", CACHE_DTYPES)
+def test_layer_step_equals_cache_methods_bitwise(isa, rng, name, left_padded):
+    """MultiHeadAttention(kv_cache=) does its step in one call into the core (projections, the new
+    K/V into the cache, attention over it, output projection): the same output, stored K/V and cache
+    state as the step spelled out with append and attend, bit for bit, through ragged chunks (padding
+    tokens NaN), decode steps, a chunk longer than the decode kernel's limit and an empty chunk."""
+    np_dtype(name)
+    compute = compute_dtype(name)
+    layer = make_layer(rng, 48, 6, 2, compute)
+    batch = 3
+    fused, spelled = (pyattn.KVCache(batch, 2, 8, 64, dtype=name) for _ in range(2))
+    steps = [(5, [5, 2, 0]), (1, None), (3, [1, 3, 2]), (1, None), (DECODE_MAX + 3, None), (0, None), (1, None)]
+    for chunk, counts in steps:
+        counts_arr = [chunk] * batch if counts is None else counts
+        x = padded_chunk(rng, counts_arr, chunk, 48, compute, left_padded)
+        num_new = None if counts is None else np.array(counts)
+        got = layer(x, kv_cache=fused, num_new=num_new, left_padded=left_padded)
+        expected = step_through_cache_methods(layer, x, spelled, num_new, left_padded)
+        assert got.dtype == compute and got.shape == (batch, chunk, 48)
+        np.testing.assert_array_equal(got, expected)  # NaN (padding query rows) where it is NaN
+        assert fused.lengths.tolist() == spelled.lengths.tolist()
+        assert fused._last_new.tolist() == spelled._last_new.tolist() and fused._last_chunk == spelled._last_chunk
+        for a, b in ((fused._k, spelled._k), (fused._v, spelled._v)):  # every stored bit, unused rows too
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_layer_step_binding_checks(rng):
+    """_core.mha_cached re-checks what the cache passes before the GIL is released: cache shapes and
+    dtypes, the lengths (before <= after <= max_len, after - before <= chunk), the storage code."""
+    layer = make_layer(rng, 16, 2, 2, np.float32)
+    w = layer._weights
+    packed, _ = w.packed()
+    weights = (*packed, w.bq, w.bk, w.bv, w.bo)
+    cache = pyattn.KVCache(1, 2, 8, 4)
+    x = random_array(rng, (1, 16), np.float32)
+    out = np.empty((1, 16), np.float32)
+    dims = [1, 1, 16, 2, 2, 8]
+
+    def call(k=cache._k_core, v=cache._v_core, storage=0, before=(0,), after=(1,), dims=dims, x=x):
+        pyattn._core.mha_cached(x, weights, dims, k, v, storage, np.array(before, np.int64),
+                                np.array(after, np.int64), False, out, 1)
+
+    call()  # valid
+    for bad, match in [
+        (dict(after=(5,)), "lengths"),
+        (dict(before=(2,), after=(1,)), "lengths"),
+        (dict(before=(0,), after=(2,)), "lengths"),  # two tokens from a chunk of one
+        (dict(before=(-1,), after=(0,)), "lengths"),
+        (dict(k=cache._k_core[:, :1]), "k_cache: expected shape"),
+        (dict(v=cache._v_core.astype(np.float64)), "v_cache: dtype"),
+        (dict(k=np.zeros((1, 2, 5, 8), np.float32)), "same shape"),
+        (dict(storage=1), "v_cache|k_cache"),  # float32 arrays passed as 16-bit storage
+        (dict(storage=3), "storage"),
+        (dict(dims=[1, 1, 16, 2, 2, 7]), "head_dim"),
+        (dict(x=x.astype(np.float64), storage=1), "float32"),
+        (dict(x=x.astype(np.float64)), "q_proj_weight"),  # float32 weights for a float64 step
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call(**bad)
+    readonly = cache._k_core.view()
+    readonly.flags.writeable = False
+    with pytest.raises(ValueError, match="writeable"):
+        call(k=readonly)
+    assert not np.isnan(out).any()
+
+
 @pytest.mark.parametrize("left_padded", [False, True], ids=["right", "left"])
 @pytest.mark.parametrize("chunk", [1, 4, 5, DECODE_MAX + 4])
 @pytest.mark.parametrize("name", CACHE_DTYPES)

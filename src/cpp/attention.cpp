@@ -276,7 +276,9 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
   const int64_t tasks = kv_groups * row_chunks;
   const Split split = split_keys(tasks, a.kv_len, ks.decode_block, kDecodeMinChunk);
   const int64_t items = tasks * split.count;
-  const int threads = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, items)));
+  // The split above depends on the shape only, so the thread count never changes the result.
+  const double fmas = double(a.batch_heads) * double(a.q_len) * double(a.kv_len) * double(a.head_dim + a.value_dim);
+  const int threads = threads_for(fmas, int(std::max<int64_t>(1, std::min<int64_t>(num_threads, items))));
 
   const int64_t vdim_p = ks.decode_padded(a.value_dim);
   const AccLayout lay{vdim_p, 1};

@@ -365,9 +365,44 @@ struct MhaArgs {
   T* weights = nullptr;
 };
 
+// One step of a self-attention layer over a KV cache (MultiHeadAttention(..., kv_cache=)): the
+// chunk's rows x (batch * chunk, embed_dim) are projected to Q, K and V; row b's real tokens (the
+// first or, left_padded, the last lengths_after[b] - lengths_before[b] of its chunk) have their K/V
+// written into the cache at positions lengths_before[b].. (converted to 16 bits for such storage);
+// the chunk's queries attend to each row's first lengths_after[b] keys with lower-right causal
+// alignment (query i sees keys j <= i + lengths_before[b] - first[b], first[b] = the padding tokens
+// in front of row b's real ones); the output projection writes `out` (batch * chunk, embed_dim). The
+// cache is (batch, num_kv_heads, max_len, head_dim) for K and V alike, element strides cache_stride_*
+// (last axis contiguous); k_cache/v_cache hold uint16 bit patterns when storage is not `same`.
+template <class T>
+struct MhaCacheArgs {
+  const T* x = nullptr;
+  int64_t x_stride = 0;
+  int64_t batch = 0, chunk = 0;
+  int64_t embed_dim = 0, num_heads = 1, num_kv_heads = 1, head_dim = 0;
+  const T* packed_q = nullptr;
+  const T* packed_k = nullptr;
+  const T* packed_v = nullptr;
+  const T* packed_o = nullptr;
+  const T* bias_q = nullptr;
+  const T* bias_k = nullptr;
+  const T* bias_v = nullptr;
+  const T* bias_o = nullptr;
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  Storage storage = Storage::same;
+  int64_t cache_stride_b = 0, cache_stride_h = 0, cache_stride_s = 0;
+  const int64_t* lengths_before = nullptr;  // [batch]
+  const int64_t* lengths_after = nullptr;   // [batch]
+  bool left_padded = false;
+  T* out = nullptr;
+};
+
 // mha.cpp
 template <class T>
 void multi_head_attention(const MhaArgs<T>& m, int num_threads);
+template <class T>
+void multi_head_attention_cached(const MhaCacheArgs<T>& m, int num_threads);
 
 // gemm.cpp: packing and the threaded GEMM driver.
 template <class T>

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT
-// The _core entries of the projections' GEMM and of the multi-head layer (pack_weights, linear, mha):
-// translators like bindings.cpp's, from arrays prepared by pyattn._mha to GemmArgs / MhaArgs, with
-// the same invariant checks (binding_checks.h) before the GIL is released.
+// The _core entries of the projections' GEMM and of the multi-head layer (pack_weights, linear, mha,
+// mha_cached): translators like bindings.cpp's, from arrays prepared by pyattn._mha to GemmArgs,
+// MhaArgs and MhaCacheArgs, with the same invariant checks (binding_checks.h) before the GIL is
+// released.
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -188,6 +189,104 @@ void mha_py(const py::array& xq, const py::array& xk, const py::array& xv, const
   fail("query: dtype must be float32 or float64");
 }
 
+// One of KVCache's storage arrays: (batch, num_kv_heads, max_len, head_dim) of `dtype`, writeable,
+// non-negative strides with a contiguous last axis (so every element the step writes or reads lies
+// inside it); returns its element strides (b, h, s).
+std::vector<int64_t> cache_array(const char* name, const py::array& c, const py::dtype& dtype, int64_t batch,
+                                 int64_t kv_heads, int64_t head_dim) {
+  const std::string n(name);
+  if (c.ndim() != 4 || c.shape(0) != batch || c.shape(1) != kv_heads || c.shape(3) != head_dim)
+    fail(n + ": expected shape (batch, num_kv_heads, max_len, head_dim)");
+  if (!c.dtype().is(dtype)) fail(n + ": dtype does not match the storage");
+  if (!c.writeable()) fail(n + ": must be writeable");
+  check_aligned(name, c);
+  const int64_t item = c.itemsize();
+  if (head_dim > 1 && c.strides(3) != item) fail(n + ": last axis must be contiguous");
+  std::vector<int64_t> strides;
+  for (int d = 0; d < 3; ++d) {
+    if (c.strides(d) < 0) fail(n + ": strides must be non-negative");
+    strides.push_back(c.strides(d) / item);
+  }
+  return strides;
+}
+
+// A (batch,) contiguous int64 array of cache lengths.
+const int64_t* lengths_array(const char* name, const py::array& a, int64_t batch) {
+  if (!is_int64(a) || a.ndim() != 1 || a.shape(0) != batch || !(a.flags() & py::array::c_style))
+    fail(std::string(name) + ": expected a contiguous int64 array of batch entries");
+  return static_cast<const int64_t*>(a.data());
+}
+
+template <class T>
+void run_mha_cached(const py::array& x, const py::tuple& w, const std::vector<int64_t>& dims, py::array& k_cache,
+                    py::array& v_cache, Storage storage, const py::array& before, const py::array& after,
+                    bool left_padded, py::array& out, int num_threads) {
+  MhaCacheArgs<T> m;
+  m.batch = dims[0];
+  m.chunk = dims[1];
+  m.embed_dim = dims[2];
+  m.num_heads = dims[3];
+  m.num_kv_heads = dims[4];
+  m.head_dim = dims[5];
+  for (int64_t d : dims)
+    if (d < 0) fail("dims must be non-negative");
+  if (m.num_heads < 1 || m.num_kv_heads < 1 || m.num_heads % m.num_kv_heads != 0)
+    fail("num_heads must be a positive multiple of num_kv_heads");
+  if (m.num_heads * m.head_dim != m.embed_dim) fail("num_heads * head_dim must equal embed_dim");
+  const int64_t rows = checked_mul(m.batch, m.chunk), kv_width = checked_mul(m.num_kv_heads, m.head_dim);
+  m.x_stride = row_matrix<T>("query", x, rows, m.embed_dim);
+  m.x = static_cast<const T*>(x.data());
+  if (w.size() != 8) fail("weights must be a tuple of 8 entries");
+  m.packed_q = packed_weight<T>("q_proj_weight", w[0].cast<py::array>(), m.embed_dim, m.embed_dim);
+  m.packed_k = packed_weight<T>("k_proj_weight", w[1].cast<py::array>(), kv_width, m.embed_dim);
+  m.packed_v = packed_weight<T>("v_proj_weight", w[2].cast<py::array>(), kv_width, m.embed_dim);
+  m.packed_o = packed_weight<T>("out_proj_weight", w[3].cast<py::array>(), m.embed_dim, m.embed_dim);
+  m.bias_q = optional_bias<T>("q_proj_bias", w[4], m.embed_dim);
+  m.bias_k = optional_bias<T>("k_proj_bias", w[5], kv_width);
+  m.bias_v = optional_bias<T>("v_proj_bias", w[6], kv_width);
+  m.bias_o = optional_bias<T>("out_proj_bias", w[7], m.embed_dim);
+
+  const py::dtype stored = storage == Storage::same ? py::dtype::of<T>() : py::dtype::of<uint16_t>();
+  const std::vector<int64_t> ks = cache_array("k_cache", k_cache, stored, m.batch, m.num_kv_heads, m.head_dim);
+  const std::vector<int64_t> vs = cache_array("v_cache", v_cache, stored, m.batch, m.num_kv_heads, m.head_dim);
+  if (ks != vs || k_cache.shape(2) != v_cache.shape(2)) fail("k_cache and v_cache must have the same shape and strides");
+  const int64_t max_len = k_cache.shape(2);
+  m.k_cache = k_cache.mutable_data();
+  m.v_cache = v_cache.mutable_data();
+  m.storage = storage;
+  m.cache_stride_b = ks[0];
+  m.cache_stride_h = ks[1];
+  m.cache_stride_s = ks[2];
+  m.lengths_before = lengths_array("lengths_before", before, m.batch);
+  m.lengths_after = lengths_array("lengths_after", after, m.batch);
+  for (int64_t b = 0; b < m.batch; ++b) {
+    const int64_t lo = m.lengths_before[b], hi = m.lengths_after[b];
+    if (lo < 0 || hi < lo || hi > max_len || hi - lo > m.chunk)
+      fail("lengths: need 0 <= before <= after <= max_len and after - before <= chunk in every batch row");
+  }
+  m.left_padded = left_padded;
+  check_output("out", out, py::dtype::of<T>(), checked_mul(rows, m.embed_dim));
+  m.out = static_cast<T*>(out.mutable_data());
+  if (num_threads < 0) fail("num_threads must be >= 1 (or 0 for the default)");
+  py::gil_scoped_release release;
+  multi_head_attention_cached<T>(m, num_threads);
+}
+
+void mha_cached_py(const py::array& x, const py::tuple& w, const std::vector<int64_t>& dims, py::array k_cache,
+                   py::array v_cache, int storage, const py::array& before, const py::array& after,
+                   bool left_padded, py::array out, int num_threads) {
+  if (dims.size() != 6) fail("dims must have 6 entries");
+  if (storage < 0 || storage > 2) fail("storage must be 0 (same), 1 (float16) or 2 (bfloat16)");
+  if (is_float32(x))
+    return run_mha_cached<float>(x, w, dims, k_cache, v_cache, Storage(storage), before, after, left_padded, out,
+                                 num_threads);
+  if (storage != 0) fail("query: must be float32 with a float16/bfloat16 cache");
+  if (is_float64(x))
+    return run_mha_cached<double>(x, w, dims, k_cache, v_cache, Storage(storage), before, after, left_padded, out,
+                                  num_threads);
+  fail("query: dtype must be float32 or float64");
+}
+
 }  // namespace
 
 // The GEMM and multi-head layer entries of the _core module.
@@ -199,6 +298,11 @@ void bind_mha(py::module_& m) {
   m.def("mha", &mha_py, py::arg("xq"), py::arg("xk"), py::arg("xv"), py::arg("weights"), py::arg("dims"),
         py::arg("masks"), py::arg("causal"), py::arg("causal_offset"), py::arg("out"), py::arg("attn_weights"),
         py::arg("num_threads"), "Low-level multi-head attention entry; arguments prepared by pyattn._mha.");
+  m.def("mha_cached", &mha_cached_py, py::arg("x"), py::arg("weights"), py::arg("dims"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("storage"), py::arg("lengths_before"), py::arg("lengths_after"),
+        py::arg("left_padded"), py::arg("out"), py::arg("num_threads"),
+        "Low-level layer step over a KV cache (project, append, attend, project); arguments prepared by "
+        "pyattn._mha and pyattn.KVCache.");
 }
 
 }  // namespace pyattn

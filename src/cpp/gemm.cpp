@@ -48,7 +48,8 @@ void linear(const GemmArgs<T>& g, int num_threads) {
     const int64_t r0 = rb * rows_per_task;
     ks.gemm(g, r0, std::min(g.m, r0 + rows_per_task), p);
   };
-  const int threads = int(std::max<int64_t>(1, std::min<int64_t>(num_threads > 0 ? num_threads : default_num_threads(), tasks)));
+  const int wanted = int(std::max<int64_t>(1, std::min<int64_t>(num_threads > 0 ? num_threads : default_num_threads(), tasks)));
+  const int threads = threads_for(double(g.m) * double(g.n) * double(g.k), wanted);
   parallel_for(tasks, threads, body);
 }
 

@@ -15,6 +15,18 @@
 
 namespace pyattn {
 
+// Multiply-adds that make one more thread worth its cost: waking a team and joining it takes a few
+// microseconds, in which one core does ~10^5 multiply-adds. A decode step of a small layer (E = 64,
+// 2 heads, a few cached tokens) ran five two-thread regions of a few thousand multiply-adds each:
+// 25-33 us per step against 18-19 on one thread (Zen 3).
+constexpr double kFmasPerThread = 65536;
+
+// Threads worth starting for `fmas` multiply-adds of work: at most `wanted`, at least 1.
+inline int threads_for(double fmas, int wanted) {
+  const double worth = fmas / kFmasPerThread;
+  return worth >= double(wanted) ? wanted : (worth < 2 ? 1 : int(worth));
+}
+
 // The calling thread's index in the current team (0 outside a parallel region).
 inline int thread_id() {
 #if defined(PYATTN_OPENMP)

@@ -44,6 +44,9 @@ def _as_float_array(x, name):
 
 def _kernel_layout(x, contiguous_last=True, name="input"):
     """x itself when the kernels can read it through strides, else a C-contiguous copy."""
+    flags = x.flags
+    if flags.c_contiguous and flags.aligned:  # the common case, decided in ~0.2 us instead of ~2
+        return x
     item = x.itemsize
     last_ok = not contiguous_last or x.shape[-1] <= 1 or x.strides[-1] == item
     strides_ok = all(n <= 1 or s % item == 0 for n, s in zip(x.shape, x.strides))

@@ -91,12 +91,16 @@ class KVCache:
             self._v = _storage_zeros((self.batch, self.num_kv_heads, self.max_len, self.value_dim), self.dtype)
         except (MemoryError, ValueError):
             raise ValueError(f"max_len: a cache of {nbytes} bytes cannot be allocated") from None
+        self._half = _HALF_STORAGE.get(self.dtype.name, 0)  # the kernels' code for 16-bit storage
+        self._compute = np.dtype(np.float32) if self._half else self.dtype  # what attention computes in
+        # The storage as the core reads and writes it: 16-bit floats as their uint16 bit patterns.
+        self._k_core = self._k.view(np.uint16) if self._half else self._k
+        self._v_core = self._v.view(np.uint16) if self._half else self._v
         self.lengths = np.zeros(self.batch, np.int64)
         # What the last append added: per-row count and where the valid tokens sat in the chunk.
         self._last_new = np.zeros(self.batch, np.int64)
         self._last_chunk = 0
         self._last_left = False
-        self._half = _HALF_STORAGE.get(self.dtype.name, 0)  # the kernels' code for 16-bit storage
         self._offsets = {}  # attend()'s kernel offsets per (num_heads, chunk, storage, query strides)
         self._attend_key = None
         self._attend_state = None
@@ -127,8 +131,24 @@ class KVCache:
         for name, x in (("key", k), ("value", v)):
             if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
                 raise TypeError(f"{name}: expected a floating dtype, got {x.dtype}")
-        if num_new is None:
-            counts = np.full(self.batch, chunk, np.int64)
+        before, counts, end = self._plan_append(num_new, chunk)
+        for b in range(self.batch):
+            n = int(counts[b])
+            start = chunk - n if left_padded else 0
+            pos = int(before[b])
+            self._k[b, :, pos:pos + n] = k[b, :, start:start + n]
+            self._v[b, :, pos:pos + n] = v[b, :, start:start + n]
+        self._commit_append(counts, end, chunk, left_padded)
+
+    def _plan_append(self, num_new, chunk):
+        """(lengths before, tokens per row, lengths after) of appending a chunk; raises ValueError,
+        changing nothing, for bad counts or a row that would exceed max_len."""
+        before = np.ascontiguousarray(self.lengths, dtype=np.int64)
+        if num_new is None:  # every row appends the whole chunk (a decode step: keep it cheap)
+            end = before + chunk
+            if end.max() <= self.max_len:
+                return before, end - before, end
+            counts = end - before
         else:
             counts = np.asarray(num_new)
             if counts.shape != (self.batch,) or counts.dtype.kind not in "iu":
@@ -136,18 +156,16 @@ class KVCache:
             counts = counts.astype(np.int64)
             if (counts < 0).any() or (counts > chunk).any():
                 raise ValueError(f"num_new: entries must lie in [0, {chunk}], got {counts.tolist()}")
-        end = self.lengths + counts
+        end = before + counts
         if (end > self.max_len).any():
             b = int(np.argmax(end > self.max_len))
             raise ValueError(
-                f"max_len: appending {int(counts[b])} tokens to batch row {b} (length {int(self.lengths[b])}) "
+                f"max_len: appending {int(counts[b])} tokens to batch row {b} (length {int(before[b])}) "
                 f"exceeds max_len={self.max_len}")
-        for b in range(self.batch):
-            n = int(counts[b])
-            start = chunk - n if left_padded else 0
-            pos = int(self.lengths[b])
-            self._k[b, :, pos:pos + n] = k[b, :, start:start + n]
-            self._v[b, :, pos:pos + n] = v[b, :, start:start + n]
+        return before, counts, end
+
+    def _commit_append(self, counts, end, chunk, left_padded):
+        """Records an append whose K/V rows are in the storage (by append, or by the core's layer step)."""
         self.lengths = end
         self._last_new, self._last_chunk, self._last_left = counts, chunk, bool(left_padded)
 
@@ -224,20 +242,16 @@ class KVCache:
             raise ValueError(f"query: num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if chunk != self._last_chunk:
             raise ValueError(f"query: chunk length {chunk} does not match the last append ({self._last_chunk})")
-        half = self._half != 0
-        compute = np.dtype(np.float32) if half else self.dtype
+        compute = self._compute
         if q.dtype != compute:
             if q.dtype.kind != "f" and q.dtype.name != "bfloat16":
                 raise TypeError(f"query: expected a floating dtype, got {q.dtype}")
             q = q.astype(compute)
         if not q.flags.c_contiguous:
             q = np.ascontiguousarray(q)
-        k, v = self._k, self._v
-        storage = 0
+        # Read in place by the kernels (16-bit storage converted to float32 a key block at a time).
+        k, v, storage = self._k_core, self._v_core, self._half
         kv_len, lengths, causal_offsets = self._causal_state()
-        if half:  # read in place by the kernels, converted to float32 a key block at a time
-            storage = self._half
-            k, v = k.view(np.uint16), v.view(np.uint16)
         group = num_heads // self.num_kv_heads
         item_k, item_v = k.strides[3], v.strides[3]
         # The offsets only depend on the layout: built once per (heads, chunk, storage, q strides) for

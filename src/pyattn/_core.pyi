@@ -89,6 +89,37 @@ def mha(
     kv_len, embed_dim, kdim, vdim, num_heads, num_kv_heads, head_dim). At most two masks.
     """
 
+def mha_cached(
+    x: np.ndarray,
+    weights: Tuple[
+        np.ndarray,
+        np.ndarray,
+        np.ndarray,
+        np.ndarray,
+        Optional[np.ndarray],
+        Optional[np.ndarray],
+        Optional[np.ndarray],
+        Optional[np.ndarray],
+    ],
+    dims: Sequence[int],
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    storage: int,
+    lengths_before: np.ndarray,
+    lengths_after: np.ndarray,
+    left_padded: bool,
+    out: np.ndarray,
+    num_threads: int,
+) -> None:
+    """Low-level layer step over a KV cache; arguments prepared by pyattn._mha and pyattn.KVCache.
+
+    x: (batch * chunk, embed_dim) rows. dims: (batch, chunk, embed_dim, num_heads, num_kv_heads,
+    head_dim). k_cache/v_cache: (batch, num_kv_heads, max_len, head_dim), uint16 bit patterns for
+    storage 1 (float16) or 2 (bfloat16). Row b's real tokens (the first or, left_padded, the last
+    lengths_after[b] - lengths_before[b] of its chunk) are written at positions lengths_before[b]..,
+    then the chunk attends to each row's first lengths_after[b] keys (lower-right causal).
+    """
+
 def isa() -> str:
     """Name of the kernel ISA in use."""
 

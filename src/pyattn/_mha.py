@@ -15,6 +15,7 @@ import numpy as np
 
 from . import _core
 from ._api import _SUPPORTED, _allocate, _causal_value, _kernel_layout, _threads_value
+from ._cache import KVCache
 
 
 def _array(x, name, dtype=None):
@@ -171,8 +172,6 @@ def _key_value(q, key, value):
 
 def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, threads):
     """Self-attention of new tokens q (batch, chunk, E) over kv_cache, after appending their K/V."""
-    from ._cache import KVCache
-
     if not isinstance(kv_cache, KVCache):
         raise TypeError(f"kv_cache: expected a pyattn.KVCache, got {type(kv_cache).__name__}")
     if need_weights:
@@ -180,22 +179,24 @@ def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, threads)
     if (kv_cache.num_kv_heads, kv_cache.head_dim, kv_cache.value_dim) != (w.num_kv_heads, w.head_dim, w.head_dim):
         raise ValueError(
             f"kv_cache: expected num_kv_heads={w.num_kv_heads}, head_dim=value_dim={w.head_dim}, got {kv_cache!r}")
-    compute = np.dtype(np.float32) if kv_cache.dtype.name in ("float16", "bfloat16") else kv_cache.dtype
-    if compute != w.dtype:
-        raise TypeError(f"kv_cache: storage {kv_cache.dtype} computes in {compute}, but the layer is {w.dtype}")
+    if kv_cache._compute != w.dtype:
+        raise TypeError(f"kv_cache: storage {kv_cache.dtype} computes in {kv_cache._compute}, but the layer is {w.dtype}")
     batched = q.ndim == 3
     x = q if batched else q[np.newaxis]
     if x.shape[0] != kv_cache.batch:
         raise ValueError(f"query: batch size must equal kv_cache.batch ({kv_cache.batch}), got {x.shape[0]}")
     batch, chunk = x.shape[0], x.shape[1]
-    rows = _rows(x, True)
-    heads = lambda y, n: y.reshape(batch, chunk, n, w.head_dim).transpose(0, 2, 1, 3)  # noqa: E731 (views)
-    k = heads(w.linear(rows, "k", threads), w.num_kv_heads)
-    v = heads(w.linear(rows, "v", threads), w.num_kv_heads)
-    kv_cache.append(k, v, num_new=num_new, left_padded=left_padded)
-    context = kv_cache.attend(heads(w.linear(rows, "q", threads), w.num_heads), num_threads=threads or None)
-    context = np.ascontiguousarray(context.transpose(0, 2, 1, 3)).reshape(batch * chunk, w.embed_dim)
-    out = w.linear(context, "o", threads).reshape(batch, chunk, w.embed_dim)
+    before, counts, end = kv_cache._plan_append(num_new, chunk)
+    out = np.empty((batch, chunk, w.embed_dim), w.dtype)
+    packed, _ = w.packed()
+    # One call does the step: projections, the new K/V into the cache, attention over it (as
+    # KVCache.append + attend), output projection. Positional arguments: keywords cost ~1 us.
+    _core.mha_cached(
+        _rows(x, True), (*packed, w.bq, w.bk, w.bv, w.bo),
+        [batch, chunk, w.embed_dim, w.num_heads, w.num_kv_heads, w.head_dim],
+        kv_cache._k_core, kv_cache._v_core, kv_cache._half, before, end, bool(left_padded), out, threads,
+    )
+    kv_cache._commit_append(counts, end, chunk, left_padded)
     return out if batched else out[0]
 
 
