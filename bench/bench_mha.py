@@ -41,6 +41,21 @@ processes kept busy during the row (with --wait-idle, disturbed rows are redone 
 
 FLOP count: projections 2*M*N*K each (layer: Q, K, V and out, 8*B*L*E^2 in total) + attention
 4*B*H*L*S*Dh (= 4*B*L*S*E; q.k and p.v, 2*Dh each per (query, key) pair, S = L here).
+
+Table 3, a decode step: one new token through a self-attention layer over a KV cache of S tokens
+(batch 1; E, query heads / key-value heads, cache storage dtype), the way a generating model calls it:
+
+* pyattn: ``layer(token, kv_cache=cache)`` (projections, the token's K/V into the cache, attention
+  over the cache, output projection, in one call); each timed call generates DECODE_STEPS tokens
+  from position S (``cache.truncate(S)`` first, which is timed too);
+* torch: the same weights as ``torch.nn.functional.linear`` projections, a preallocated float32
+  K/V cache tensor (1, Hkv, S + DECODE_STEPS, Dh) written in place, and
+  ``F.scaled_dot_product_attention(enable_gqa=...)`` over its filled part: what a PyTorch user
+  writes for a KV cache (nn.MultiheadAttention has none); float32 for every row, also where pyattn's
+  cache is 16-bit;
+* ms = per token; GB/s = the bytes a step must read (the four weight matrices in float32 and the
+  cache's K/V in its dtype) / time; max err = the last token's output against a float64 computation
+  from the K/V values the cache stores (Q and output projections in float64 too).
 """
 
 from __future__ import annotations
@@ -125,6 +140,39 @@ class GemmCase:
     def flops(self) -> int:
         return 2 * self.m * self.n * self.k
 
+
+@dataclass(frozen=True)
+class DecodeCase:
+    """One new token through a self-attention layer (E, H query heads, Hkv key/value heads) over a
+    KV cache of `cached` tokens stored as `dtype`."""
+
+    embed_dim: int
+    num_heads: int
+    num_kv_heads: int
+    cached: int
+    dtype: str = "float32"
+
+    @property
+    def name(self) -> str:
+        return f"E{self.embed_dim} H{self.num_heads}/{self.num_kv_heads} S{self.cached} {self.dtype}"
+
+    def step_bytes(self, length: int) -> int:
+        """Bytes a step reads: the q/k/v/out weights (float32) and K/V of `length` cached tokens."""
+        e, kv = self.embed_dim, self.num_kv_heads * (self.embed_dim // self.num_heads)
+        item = 2 if self.dtype in ("float16", "bfloat16") else 4
+        return 4 * (2 * e * e + 2 * e * kv) + 2 * length * kv * item
+
+
+DECODE_STEPS = 8  # tokens generated per timed call (from position `cached`)
+DECODE_SUITE = (
+    DecodeCase(256, 4, 4, 256),
+    DecodeCase(768, 12, 12, 1024),
+    DecodeCase(768, 12, 4, 1024),
+    DecodeCase(768, 12, 4, 1024, "bfloat16"),
+    DecodeCase(2048, 16, 4, 4096),
+    DecodeCase(2048, 16, 4, 4096, "bfloat16"),
+)
+QUICK_DECODE = ("E256 H4/4 S256 float32", "E768 H12/4 S1024 bfloat16")
 
 LAYER_SUITE = (
     LayerCase(768, 12, 1, 128),
@@ -225,6 +273,87 @@ def layer_row(pyattn, case: LayerCase, args, peak) -> dict:
         row["max_abs_err"], row["err_vs"] = max_abs_diff(out, torch_out), "torch"
         row["torch_max_abs_err"] = None
     return row
+
+
+def decode_row(pyattn, case: DecodeCase, args, peak) -> dict:
+    """Time DECODE_STEPS one-token steps of pyattn's layer over its KVCache and of the same step in
+    PyTorch (F.linear + a preallocated float32 cache + SDPA); blocks separate."""
+    import torch
+    import torch.nn.functional as F
+
+    rng = np.random.default_rng(args.seed)
+    e, h, hkv, s = case.embed_dim, case.num_heads, case.num_kv_heads, case.cached
+    dh = e // h
+    layer = pyattn.MultiHeadAttention(e, h, num_kv_heads=hkv, seed=args.seed)
+    state = layer.state_dict()
+    state["in_proj_bias"] = (0.1 * rng.standard_normal(state["in_proj_bias"].shape)).astype(DTYPE)
+    state["out_proj.bias"] = (0.1 * rng.standard_normal(state["out_proj.bias"].shape)).astype(DTYPE)
+    layer.load_state_dict(state)
+    cache = pyattn.KVCache(1, hkv, dh, s + DECODE_STEPS, dtype=case.dtype)
+    layer(rng.standard_normal((1, s, e), dtype=DTYPE), kv_cache=cache, num_threads=args.threads)  # the prompt
+    tokens = rng.standard_normal((DECODE_STEPS, 1, 1, e), dtype=DTYPE)
+
+    def run_pyattn():
+        cache.truncate(s)
+        for token in tokens:
+            out = layer(token, kv_cache=cache, num_threads=args.threads)
+        return out
+
+    torch.set_num_threads(args.threads)
+    w_in, b_in = torch.from_numpy(state["in_proj_weight"]), torch.from_numpy(state["in_proj_bias"])
+    sizes = [e, hkv * dh, hkv * dh]
+    wq, wk, wv = torch.split(w_in, sizes)
+    bq, bk, bv = torch.split(b_in, sizes)
+    wo, bo = torch.from_numpy(state["out_proj.weight"]), torch.from_numpy(state["out_proj.bias"])
+    k_cache = torch.zeros((1, hkv, s + DECODE_STEPS, dh))
+    v_cache = torch.zeros((1, hkv, s + DECODE_STEPS, dh))
+    k_cache[:, :, :s] = torch.from_numpy(cache.keys(0)[None, :, :s].astype(DTYPE))
+    v_cache[:, :, :s] = torch.from_numpy(cache.values(0)[None, :, :s].astype(DTYPE))
+    ttokens = torch.from_numpy(tokens)
+
+    def run_torch():
+        with torch.inference_mode():
+            for i in range(DECODE_STEPS):
+                x, pos = ttokens[i], s + i
+                q = F.linear(x, wq, bq).view(1, 1, h, dh).transpose(1, 2)
+                k_cache[:, :, pos:pos + 1] = F.linear(x, wk, bk).view(1, 1, hkv, dh).transpose(1, 2)
+                v_cache[:, :, pos:pos + 1] = F.linear(x, wv, bv).view(1, 1, hkv, dh).transpose(1, 2)
+                o = F.scaled_dot_product_attention(q, k_cache[:, :, :pos + 1], v_cache[:, :, :pos + 1],
+                                                   enable_gqa=hkv != h)
+                out = F.linear(o.transpose(1, 2).reshape(1, 1, e), wo, bo)
+        return out
+
+    (t_pyattn, out), (t_torch, _) = interleaved({"pyattn": run_pyattn, "torch": run_torch}, args)
+
+    # The last token (it sees every cached key) in float64 from the K/V the cache stores.
+    f64 = lambda a: np.asarray(a, dtype=np.float64)  # noqa: E731
+    q = (f64(tokens[-1, 0, 0]) @ f64(state["in_proj_weight"][:e]).T + f64(state["in_proj_bias"][:e])).reshape(h, dh)
+    keys = np.repeat(f64(cache.keys(0)), h // hkv, axis=0)  # (h, length, dh)
+    values = np.repeat(f64(cache.values(0)), h // hkv, axis=0)
+    scores = np.einsum("hd,hjd->hj", q, keys) / np.sqrt(dh)
+    p = np.exp(scores - scores.max(axis=1, keepdims=True))
+    context = np.einsum("hj,hjd->hd", p / p.sum(axis=1, keepdims=True), values).reshape(e)
+    expected = context @ f64(state["out_proj.weight"]).T + f64(state["out_proj.bias"])
+
+    step = t_pyattn.median / DECODE_STEPS
+    return {
+        "case": case.name,
+        "embed_dim": e,
+        "num_heads": h,
+        "num_kv_heads": hkv,
+        "cached": s,
+        "cache_dtype": case.dtype,
+        "steps_per_call": DECODE_STEPS,
+        "pyattn_ms": step * 1e3,
+        "pyattn_min_ms": t_pyattn.min / DECODE_STEPS * 1e3,
+        "pyattn_runs": t_pyattn.runs,
+        "step_bytes": case.step_bytes(s + DECODE_STEPS // 2),
+        "gbs": case.step_bytes(s + DECODE_STEPS // 2) / step / 1e9,
+        "max_abs_err": max_abs_diff(out.reshape(e), expected),
+        "torch_ms": t_torch.median / DECODE_STEPS * 1e3,
+        "torch_runs": t_torch.runs,
+        "torch_vs_pyattn": t_torch.median / t_pyattn.median,
+    }
 
 
 def interleaved(fns, args, contexts=None) -> list:
@@ -358,6 +487,33 @@ GEMM_TABLE = Table(
 )
 
 
+DECODE_TABLE = Table(
+    [
+        Column("decode step", 27, right=False),
+        Column("pyattn ms", 9),
+        Column("min ms", 7),
+        Column("GB/s", 5),
+        Column("max err", 7),
+        Column("torch ms", 8),
+        Column("torch x", 7),
+        Column("bg", 3),
+    ]
+)
+
+
+def decode_cells(row: dict) -> list[str]:
+    return [
+        row["case"],
+        fmt_ms(row["pyattn_ms"]),
+        fmt_ms(row["pyattn_min_ms"]),
+        fmt(row["gbs"], ".1f"),
+        fmt(row["max_abs_err"], ".1e"),
+        fmt_ms(row["torch_ms"]),
+        fmt(row["torch_vs_pyattn"], ".2f"),
+        fmt(row.get("background_cpus"), ".1f"),
+    ]
+
+
 def layer_cells(row: dict) -> list[str]:
     return [
         row["case"],
@@ -404,15 +560,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         epilog=ENVIRONMENT_HELP.format(script="bench/bench_mha.py"),
     )
     parser.add_argument(
-        "--quick", action="store_true", help=f"smoke test: layers {', '.join(QUICK_LAYERS)}, few runs (< 30 s)"
+        "--quick",
+        action="store_true",
+        help=f"smoke test: layers {', '.join(QUICK_LAYERS)}, decode steps {', '.join(QUICK_DECODE)}, few runs (< 40 s)",
     )
     parser.add_argument(
         "--layers",
         default=None,
-        help="comma-separated filters; a layer (and its GEMM shapes) runs if a filter is a substring of its "
-        f"name (names: {', '.join(c.name for c in LAYER_SUITE)}; e.g. --layers 'B1 L128,E384')",
+        help="comma-separated filters; a layer (and its GEMM shapes) or decode step runs if a filter is a "
+        f"substring of its name (names: {', '.join(c.name for c in LAYER_SUITE + DECODE_SUITE)}; "
+        "e.g. --layers 'B1 L128,E384,bfloat16')",
     )
     parser.add_argument("--no-gemm", action="store_true", help="skip the GEMM table")
+    parser.add_argument("--no-decode", action="store_true", help="skip the decode-step table")
     parser.add_argument("--no-layer", action="store_true", help="skip the layer table")
     add_common_arguments(
         parser,
@@ -473,11 +633,13 @@ def main(argv=None) -> int:
     if not hasattr(pyattn, "MultiHeadAttention"):
         sys.exit("bench_mha: this pyattn has no MultiHeadAttention")
     layers = [c for c in LAYER_SUITE if c.name in QUICK_LAYERS] if args.quick else list(LAYER_SUITE)
+    decodes = [c for c in DECODE_SUITE if c.name in QUICK_DECODE] if args.quick else list(DECODE_SUITE)
     if args.layers:
         filters = [f.strip() for f in args.layers.split(",") if f.strip()]
         layers = [c for c in layers if any(f in c.name for f in filters)]
-        if not layers:
-            sys.exit("bench_mha: no layer matches --layers")
+        decodes = [c for c in decodes if any(f in c.name for f in filters)]
+        if not layers and not decodes:
+            sys.exit("bench_mha: no layer or decode step matches --layers")
     gemms = gemm_suite(layers)
     args.blas_limit, blas_threads = blas_thread_limiter(args.threads)
 
@@ -509,7 +671,7 @@ def main(argv=None) -> int:
     }
     print_header(info)
 
-    results: dict[str, list[dict]] = {"layer": [], "gemm": []}
+    results: dict[str, list[dict]] = {"layer": [], "gemm": [], "decode": []}
     if not args.no_layer:
         print("Layer: self-attention, x (B, L, E), no mask")
         print(LAYER_TABLE.header(), flush=True)
@@ -525,6 +687,14 @@ def main(argv=None) -> int:
             row = guarded(gemm_row, pyattn, case, args, peak)
             results["gemm"].append(row)
             print(GEMM_TABLE.add(gemm_cells(row)), flush=True)
+    if not args.no_decode and decodes:
+        print(f"\nDecode step: one token through the layer over a KV cache (batch 1), ms per token, "
+              f"{DECODE_STEPS} tokens per timed call")
+        print(DECODE_TABLE.header(), flush=True)
+        for case in decodes:
+            row = guarded(decode_row, pyattn, case, args, peak)
+            results["decode"].append(row)
+            print(DECODE_TABLE.add(decode_cells(row)), flush=True)
 
     # The peak again, after the rows: if this reading is higher, the first one was disturbed.
     end_peak, _ = measure_peak(pyattn, args, readings=1)
@@ -538,6 +708,7 @@ def main(argv=None) -> int:
         for title, table, cells, rows in (
             ("Layer", LAYER_TABLE, layer_cells, results["layer"]),
             ("GEMM", GEMM_TABLE, gemm_cells, results["gemm"]),
+            ("Decode step", DECODE_TABLE, decode_cells, results["decode"]),
         ):
             if rows:
                 fresh = Table(table.columns)
@@ -545,7 +716,8 @@ def main(argv=None) -> int:
                     fresh.add(cells(row))
                 print(f"\n{title}\n")
                 print(fresh.markdown())
-    finish_run(info, args.json, results, f"{len(results['layer'])} layer and {len(results['gemm'])} GEMM rows")
+    finish_run(info, args.json, results,
+               f"{len(results['layer'])} layer, {len(results['gemm'])} GEMM and {len(results['decode'])} decode rows")
     return 0
 
 
