@@ -757,6 +757,9 @@ def test_layer_cache_argument_errors(rng):
         layer(x, kv_cache=cache, need_weights=True)
     with pytest.raises(ValueError, match="num_new"):
         layer(x, kv_cache=cache, num_new=np.array([3]))
+    cross = pyattn.MultiHeadAttention(16, 2, kdim=8, vdim=8)  # K/V projected from 8 features: no self-attention
+    with pytest.raises(ValueError, match="kdim = vdim = embed_dim"):
+        cross(x, kv_cache=cache)
     assert cache.lengths.tolist() == [0]
 
 

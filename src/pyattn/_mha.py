@@ -176,6 +176,9 @@ def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, threads)
         raise TypeError(f"kv_cache: expected a pyattn.KVCache, got {type(kv_cache).__name__}")
     if need_weights:
         raise ValueError("need_weights: not supported with kv_cache")
+    if (w.kdim, w.vdim) != (w.embed_dim, w.embed_dim):
+        raise ValueError(f"kv_cache: self-attention needs kdim = vdim = embed_dim ({w.embed_dim}), "
+                         f"the layer has kdim={w.kdim}, vdim={w.vdim}")
     if (kv_cache.num_kv_heads, kv_cache.head_dim, kv_cache.value_dim) != (w.num_kv_heads, w.head_dim, w.head_dim):
         raise ValueError(
             f"kv_cache: expected num_kv_heads={w.num_kv_heads}, head_dim=value_dim={w.head_dim}, got {kv_cache!r}")
