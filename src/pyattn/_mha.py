@@ -311,6 +311,12 @@ def mha(query, key=None, value=None, *, num_heads, in_proj_weight=None, in_proj_
     Returns
     -------
     out, or (out, weights) when need_weights.
+
+    Notes
+    -----
+    The weights are packed for the GEMM on every call (~4.6 ms at embed_dim 768 on a 2-core Zen 3);
+    for repeated calls with the same weights, decoding above all, use MultiHeadAttention, which
+    packs them once.
     """
     q = _array(query, "query")
     k, v = _key_value(q, key, value)
