@@ -1048,6 +1048,29 @@ def test_cache_attend_follows_every_change_of_lengths(rng):
     check([1, 1])
 
 
+def test_lengths_out_of_range_raise_before_any_write(rng):
+    """The public lengths array set out of [0, max_len] (by hand): append and the layer's step raise
+    a ValueError naming the lengths and write nothing (a negative position would index the storage
+    from its end)."""
+    layer = make_layer(rng, 16, 2, 2, np.float32)
+    cache = pyattn.KVCache(2, 2, 8, 6)
+    x = random_array(rng, (2, 1, 16), np.float32)
+    layer(x, kv_cache=cache)
+    k = random_array(rng, (2, 2, 1, 8), np.float32)
+    for bad in ([-1, 1], [1, 7]):
+        cache.lengths = np.array(bad, np.int64)
+        stored = cache._k.copy(), cache._v.copy()
+        with pytest.raises(ValueError, match="lengths|max_len"):
+            cache.append(k, k)
+        with pytest.raises(ValueError, match="lengths|max_len"):
+            layer(x, kv_cache=cache)
+        with pytest.raises(ValueError, match="lengths|max_len"):
+            cache.append(k, k, num_new=np.array([1, 1]))
+        np.testing.assert_array_equal(cache._k, stored[0])
+        np.testing.assert_array_equal(cache._v, stored[1])
+        assert cache.lengths.tolist() == bad
+
+
 @pytest.mark.parametrize("q_len", [1, 4, 6, 20])
 @pytest.mark.parametrize("name", HALF_NAMES)
 def test_half_sdpa_layouts_and_broadcast(isa, rng, name, q_len):

@@ -146,7 +146,7 @@ class KVCache:
         before = np.ascontiguousarray(self.lengths, dtype=np.int64)
         if num_new is None:  # every row appends the whole chunk (a decode step: keep it cheap)
             end = before + chunk
-            if end.max() <= self.max_len:
+            if end.max() <= self.max_len and before.min() >= 0:
                 return before, end - before, end
             counts = end - before
         else:
@@ -156,6 +156,8 @@ class KVCache:
             counts = counts.astype(np.int64)
             if (counts < 0).any() or (counts > chunk).any():
                 raise ValueError(f"num_new: entries must lie in [0, {chunk}], got {counts.tolist()}")
+        if before.shape != (self.batch,) or (before < 0).any() or (before > self.max_len).any():
+            raise ValueError(f"lengths: expected {self.batch} lengths in [0, {self.max_len}], got {self.lengths!r}")
         end = before + counts
         if (end > self.max_len).any():
             b = int(np.argmax(end > self.max_len))
