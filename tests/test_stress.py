@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: MIT
 """Thread safety under load: many Python threads call every public function at once.
 
-Covered: scaled_dot_product_attention, mha, MultiHeadAttention.__call__, KVCache (append/attend),
+Covered: scaled_dot_product_attention, mha, MultiHeadAttention.__call__ (also over a KV cache),
+KVCache (append/attend),
 runtime_info, get_isa, available_isas, show_config, set_num_threads / get_num_threads. (explain()
 is float64 NumPy without the core, so it has no shared state to race on.)
 
@@ -93,7 +94,28 @@ def _cache_jobs(rng):
         prompt = [rng.standard_normal((2, 2, 12, 32)).astype(compute) for _ in range(3)]
         steps = [[rng.standard_normal((2, n, 1, 32)).astype(compute) for n in (2, 2, 4)] for _ in range(4)]
         jobs.append(("cache", (storage, prompt, steps), {}))
+    for storage in ("float32", "bfloat16" if _has_ml_dtypes() else "float16"):
+        # The layer's step over a cache (one call into the core: projections, K/V into the cache,
+        # attention, output projection): a shared layer, a cache per run.
+        layer = pyattn.MultiHeadAttention(32, 4, num_kv_heads=2, seed=int(rng.integers(1 << 30)))
+        tokens = [rng.standard_normal((2, n, 32)).astype(np.float32) for n in (5, 1, 1, 3, 1)]
+        jobs.append(("layer_cache", (layer, storage, tokens), {}))
     return jobs
+
+
+def _has_ml_dtypes():
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _decode_layer(layer, storage, tokens, num_threads):
+    cache = pyattn.KVCache(2, 2, 8, 16, dtype=storage)
+    outs = [layer(tokens[0], kv_cache=cache, num_new=np.array([5, 2]), num_threads=num_threads)]
+    outs += [layer(x, kv_cache=cache, num_threads=num_threads) for x in tokens[1:]]
+    return tuple(outs)
 
 
 def _decode(storage, prompt, steps, num_threads):
@@ -113,6 +135,8 @@ def _run(job, num_threads):
         return sdpa(*args, num_threads=num_threads, **kwargs)
     if kind == "cache":
         return _decode(*args, num_threads)
+    if kind == "layer_cache":
+        return _decode_layer(*args, num_threads)
     if kind == "layer":
         layer, *inputs = args
         return layer(*inputs, num_threads=num_threads, **kwargs)
