@@ -874,6 +874,20 @@ GEMM_SIZES = (1, 7, 17, 33, 65, 129)
 GEMM_ROWS = (1, 2, 3, 4, 5, 7, 10, 17, 33, 65, 129)
 
 
+def test_pack_weights_layout(isa, dtype, rng):
+    """pack_weights writes panels of `panel` output columns, k-major, zeros past n: whole lanes x lanes
+    blocks through the in-register transpose, the ragged edges element by element, for every size
+    around the blocks (and weight rows cut from a NaN-filled parent, so a read past a row shows)."""
+    for n, k in itertools.product((1, 3, 8, 15, 16, 17, 40, 70), (1, 5, 8, 16, 23, 64, 67)):
+        w = random_array(rng, (n, k), dtype)
+        packed, panel = pyattn._core.pack_weights(w)
+        panels = -(-n // panel)
+        expected = np.zeros((panels, k, panel), dtype)
+        for col in range(n):
+            expected[col // panel, :, col % panel] = w[col]
+        np.testing.assert_array_equal(packed.reshape(panels, k, panel), expected, err_msg=f"n={n} k={k}")
+
+
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
 def test_linear_matches_matmul(isa, dtype, rng, with_bias):
     # Every (m, n, k) combination: register-tile edges in all three dimensions.

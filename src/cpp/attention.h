@@ -249,6 +249,8 @@ struct KernelSet {
   int gemm_panel;   // output columns per packed weight panel
   // C rows [row_begin, row_end) x columns of panel p.
   void (*gemm)(const GemmArgs<T>& g, int64_t row_begin, int64_t row_end, int64_t p);
+  // Panel p of a (n, k) weight (rows w_stride apart) packed for gemm: packed + p * k * gemm_panel.
+  void (*pack_panel)(const T* w, int64_t w_stride, int64_t n, int64_t k, int64_t p, T* packed);
   // Additive mask rows to MaskSlot::bits (not -inf) and MaskSlot::value_bits (a value to add): `rows`
   // rows of kv_len values (element (i, j) at data[i * stride_l + j * stride_s]) into
   // ceil(kv_len / 64) words per row each.
@@ -406,7 +408,7 @@ void multi_head_attention_cached(const MhaCacheArgs<T>& m, int num_threads);
 
 // gemm.cpp: packing and the threaded GEMM driver.
 template <class T>
-void pack_weights(const T* w, int64_t w_stride, int64_t n, int64_t k, int64_t panel, T* packed);
+void pack_weights(const KernelSet<T>& ks, const T* w, int64_t w_stride, int64_t n, int64_t k, T* packed);
 template <class T>
 void linear(const GemmArgs<T>& g, int num_threads);
 

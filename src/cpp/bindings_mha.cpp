@@ -34,7 +34,7 @@ py::array_t<T> pack_weights_t(const py::array& w) {
   T* dst = packed.mutable_data();
   const int64_t w_stride = n > 1 ? w.strides(0) / int64_t(sizeof(T)) : 0;
   py::gil_scoped_release release;
-  pack_weights<T>(src, w_stride, n, k, panel, dst);
+  pack_weights<T>(ks, src, w_stride, n, k, dst);  // ks: the set whose panel sized `packed`
   return packed;
 }
 

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
-// The GEMM driver of the linear layers: weight packing and the threaded loop over output tiles.
+// The GEMM driver of the linear layers: weight packing (panel by panel, gemm.inc) and the threaded
+// loop over output tiles.
 //
 // Tasks are (block of rows, weight panel) pairs, row-block major, so a thread that takes consecutive
 // panels of one row block keeps those A rows in its L2. Each C element is produced by one task with
@@ -19,20 +20,8 @@ constexpr int64_t kTilesPerTask = 16;
 }  // namespace
 
 template <class T>
-void pack_weights(const T* w, int64_t w_stride, int64_t n, int64_t k, int64_t panel, T* packed) {
-  const int64_t panels = ceil_div(n, panel);
-  for (int64_t p = 0; p < panels; ++p) {
-    T* dst = packed + p * k * panel;
-    for (int64_t c = 0; c < panel; ++c) {
-      const int64_t col = p * panel + c;
-      if (col < n) {
-        const T* src = w + col * w_stride;
-        for (int64_t kk = 0; kk < k; ++kk) dst[kk * panel + c] = src[kk];
-      } else {
-        for (int64_t kk = 0; kk < k; ++kk) dst[kk * panel + c] = T(0);
-      }
-    }
-  }
+void pack_weights(const KernelSet<T>& ks, const T* w, int64_t w_stride, int64_t n, int64_t k, T* packed) {
+  for (int64_t p = 0; p < ceil_div(n, ks.gemm_panel); ++p) ks.pack_panel(w, w_stride, n, k, p, packed);
 }
 
 template <class T>
@@ -53,8 +42,8 @@ void linear(const GemmArgs<T>& g, int num_threads) {
   parallel_for(tasks, threads, body);
 }
 
-template void pack_weights<float>(const float*, int64_t, int64_t, int64_t, int64_t, float*);
-template void pack_weights<double>(const double*, int64_t, int64_t, int64_t, int64_t, double*);
+template void pack_weights<float>(const KernelSet<float>&, const float*, int64_t, int64_t, int64_t, float*);
+template void pack_weights<double>(const KernelSet<double>&, const double*, int64_t, int64_t, int64_t, double*);
 template void linear<float>(const GemmArgs<float>&, int);
 template void linear<double>(const GemmArgs<double>&, int);
 
