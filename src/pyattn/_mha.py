@@ -314,9 +314,9 @@ def mha(query, key=None, value=None, *, num_heads, in_proj_weight=None, in_proj_
 
     Notes
     -----
-    The weights are packed for the GEMM on every call (~4.6 ms at embed_dim 768 on a 2-core Zen 3);
-    for repeated calls with the same weights, decoding above all, use MultiHeadAttention, which
-    packs them once.
+    The weights are packed for the GEMM on every call (a decode step at embed_dim 768 took 4.4 ms
+    this way against 0.9-1.6 ms through the layer, 2-core Zen 3); for repeated calls with the same
+    weights, decoding above all, use MultiHeadAttention, which packs them once.
     """
     q = _array(query, "query")
     k, v = _key_value(q, key, value)
