@@ -889,6 +889,24 @@ def test_pack_weights_layout(isa, dtype, rng):
 
 
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+def test_linear_rows_do_not_depend_on_the_batch(isa, dtype, rng, with_bias):
+    """A row of x @ W.T + b has the same bits whether it is computed alone (the one-row tiles over
+    several panels at once), with one other row, or inside a batch of full register tiles: every
+    output sums over k in the same order from its bias."""
+    for n, k in ((16, 9), (40, 33), (136, 65), (300, 130)):
+        w = random_array(rng, (n, k), dtype)
+        bias = random_array(rng, (n,), dtype) if with_bias else None
+        packed, panel = pyattn._core.pack_weights(w)
+        x = random_array(rng, (13, k), dtype)
+        full = np.empty((13, n), dtype)
+        pyattn._core.linear(x, packed, panel, n, bias, full, 2)
+        for rows in (slice(0, 1), slice(5, 6), slice(12, 13), slice(3, 5), slice(11, 13), slice(0, 3)):
+            part = np.empty((rows.stop - rows.start, n), dtype)
+            pyattn._core.linear(x[rows], packed, panel, n, bias, part, 1)
+            np.testing.assert_array_equal(part, full[rows], err_msg=f"n={n} k={k} rows={rows}")
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
 def test_linear_matches_matmul(isa, dtype, rng, with_bias):
     # Every (m, n, k) combination: register-tile edges in all three dimensions.
     for m, n, k in itertools.product(GEMM_ROWS, GEMM_SIZES, GEMM_SIZES):

@@ -247,8 +247,8 @@ struct KernelSet {
   int64_t decode_block;  // the decode kernel's longest key block (split key chunks are whole blocks)
   int gemm_rows;    // rows of the GEMM register tile
   int gemm_panel;   // output columns per packed weight panel
-  // C rows [row_begin, row_end) x columns of panel p.
-  void (*gemm)(const GemmArgs<T>& g, int64_t row_begin, int64_t row_end, int64_t p);
+  // C rows [row_begin, row_end) x columns of panels [p_begin, p_end).
+  void (*gemm)(const GemmArgs<T>& g, int64_t row_begin, int64_t row_end, int64_t p_begin, int64_t p_end);
   // Panel p of a (n, k) weight (rows w_stride apart) packed for gemm: packed + p * k * gemm_panel.
   void (*pack_panel)(const T* w, int64_t w_stride, int64_t n, int64_t k, int64_t p, T* packed);
   // Additive mask rows to MaskSlot::bits (not -inf) and MaskSlot::value_bits (a value to add): `rows`
