@@ -399,7 +399,10 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
   const Split split = a.weights ? Split{1, a.kv_len}
                                 : split_keys(tasks * group_heads, a.kv_len, key_block, kMinChunkBlocks * key_block);
   const int64_t items = tasks * split.count;
-  const int threads = int(std::max<int64_t>(1, std::min<int64_t>(threads_wanted, items)));
+  // The work (every key for every query row; a causal call does about half) decides how many
+  // threads are worth starting; the split above depends on the shape only.
+  const double fmas = double(a.batch_heads) * double(a.q_len) * double(a.kv_len) * double(a.head_dim + a.value_dim);
+  const int threads = threads_for(fmas, int(std::max<int64_t>(1, std::min<int64_t>(threads_wanted, items))));
 
   const size_t st_elems = padded(size_t(key_block * block_rows), sizeof(T));
   // 16-bit K/V: one converted K block and one V block per thread (key_block of the narrowest tile,
