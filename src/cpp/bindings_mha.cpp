@@ -115,6 +115,21 @@ const T* optional_bias(const char* name, const py::object& obj, int64_t n) {
   return static_cast<const T*>(b.data());
 }
 
+// The layer's weights tuple (packed q, k, v, out projections, then their optional biases), checked
+// against the shapes, into the packed_* and bias_* fields of MhaArgs or MhaCacheArgs.
+template <class T, class Args>
+void layer_weights(const py::tuple& w, int64_t embed_dim, int64_t kv_width, int64_t kdim, int64_t vdim, Args& m) {
+  if (w.size() != 8) fail("weights must be a tuple of 8 entries");
+  m.packed_q = packed_weight<T>("q_proj_weight", w[0].cast<py::array>(), embed_dim, embed_dim);
+  m.packed_k = packed_weight<T>("k_proj_weight", w[1].cast<py::array>(), kv_width, kdim);
+  m.packed_v = packed_weight<T>("v_proj_weight", w[2].cast<py::array>(), kv_width, vdim);
+  m.packed_o = packed_weight<T>("out_proj_weight", w[3].cast<py::array>(), embed_dim, embed_dim);
+  m.bias_q = optional_bias<T>("q_proj_bias", w[4], embed_dim);
+  m.bias_k = optional_bias<T>("k_proj_bias", w[5], kv_width);
+  m.bias_v = optional_bias<T>("v_proj_bias", w[6], kv_width);
+  m.bias_o = optional_bias<T>("out_proj_bias", w[7], embed_dim);
+}
+
 template <class T>
 void run_mha(const py::array& xq, const py::array& xk, const py::array& xv, const py::tuple& w,
              const std::vector<int64_t>& dims, const py::list& masks, int64_t causal, int64_t causal_offset,
@@ -141,16 +156,8 @@ void run_mha(const py::array& xq, const py::array& xk, const py::array& xv, cons
   m.xq = static_cast<const T*>(xq.data());
   m.xk = static_cast<const T*>(xk.data());
   m.xv = static_cast<const T*>(xv.data());
-  if (w.size() != 8) fail("weights must be a tuple of 8 entries");
   const int64_t kv_width = checked_mul(m.num_kv_heads, m.head_dim);
-  m.packed_q = packed_weight<T>("q_proj_weight", w[0].cast<py::array>(), m.embed_dim, m.embed_dim);
-  m.packed_k = packed_weight<T>("k_proj_weight", w[1].cast<py::array>(), kv_width, m.kdim);
-  m.packed_v = packed_weight<T>("v_proj_weight", w[2].cast<py::array>(), kv_width, m.vdim);
-  m.packed_o = packed_weight<T>("out_proj_weight", w[3].cast<py::array>(), m.embed_dim, m.embed_dim);
-  m.bias_q = optional_bias<T>("q_proj_bias", w[4], m.embed_dim);
-  m.bias_k = optional_bias<T>("k_proj_bias", w[5], kv_width);
-  m.bias_v = optional_bias<T>("v_proj_bias", w[6], kv_width);
-  m.bias_o = optional_bias<T>("out_proj_bias", w[7], m.embed_dim);
+  layer_weights<T>(w, m.embed_dim, kv_width, m.kdim, m.vdim, m);
 
   const int64_t batch_heads = checked_mul(m.batch, m.num_heads);
   if (masks.size() > 2) fail("at most two masks");
@@ -236,15 +243,7 @@ void run_mha_cached(const py::array& x, const py::tuple& w, const std::vector<in
   const int64_t rows = checked_mul(m.batch, m.chunk), kv_width = checked_mul(m.num_kv_heads, m.head_dim);
   m.x_stride = row_matrix<T>("query", x, rows, m.embed_dim);
   m.x = static_cast<const T*>(x.data());
-  if (w.size() != 8) fail("weights must be a tuple of 8 entries");
-  m.packed_q = packed_weight<T>("q_proj_weight", w[0].cast<py::array>(), m.embed_dim, m.embed_dim);
-  m.packed_k = packed_weight<T>("k_proj_weight", w[1].cast<py::array>(), kv_width, m.embed_dim);
-  m.packed_v = packed_weight<T>("v_proj_weight", w[2].cast<py::array>(), kv_width, m.embed_dim);
-  m.packed_o = packed_weight<T>("out_proj_weight", w[3].cast<py::array>(), m.embed_dim, m.embed_dim);
-  m.bias_q = optional_bias<T>("q_proj_bias", w[4], m.embed_dim);
-  m.bias_k = optional_bias<T>("k_proj_bias", w[5], kv_width);
-  m.bias_v = optional_bias<T>("v_proj_bias", w[6], kv_width);
-  m.bias_o = optional_bias<T>("out_proj_bias", w[7], m.embed_dim);
+  layer_weights<T>(w, m.embed_dim, kv_width, m.embed_dim, m.embed_dim, m);
 
   const py::dtype stored = storage == Storage::same ? py::dtype::of<T>() : py::dtype::of<uint16_t>();
   const std::vector<int64_t> ks = cache_array("k_cache", k_cache, stored, m.batch, m.num_kv_heads, m.head_dim);
