@@ -337,6 +337,20 @@ int set_group_tiles(int on);
 bool openmp_enabled();
 const char* openmp_runtime();
 
+// The four projections of a multi-head attention layer, each packed by pack_weights for the active
+// ISA (W in (out_features, in_features) layout); a null bias adds nothing.
+template <class T>
+struct LayerWeights {
+  const T* packed_q = nullptr;
+  const T* packed_k = nullptr;
+  const T* packed_v = nullptr;
+  const T* packed_o = nullptr;
+  const T* bias_q = nullptr;
+  const T* bias_k = nullptr;
+  const T* bias_v = nullptr;
+  const T* bias_o = nullptr;
+};
+
 // One multi-head attention layer (inference), batch-first: three projections, attention, output
 // projection, in one call. Inputs are row matrices (batch * len, features) with a row stride; weights
 // are packed by pack_weights for the active ISA (W in (out_features, in_features) layout), biases may
@@ -352,14 +366,7 @@ struct MhaArgs {
   int64_t batch = 0, q_len = 0, kv_len = 0;
   int64_t embed_dim = 0, kdim = 0, vdim = 0;
   int64_t num_heads = 1, num_kv_heads = 1, head_dim = 0;
-  const T* packed_q = nullptr;
-  const T* packed_k = nullptr;
-  const T* packed_v = nullptr;
-  const T* packed_o = nullptr;
-  const T* bias_q = nullptr;
-  const T* bias_k = nullptr;
-  const T* bias_v = nullptr;
-  const T* bias_o = nullptr;
+  LayerWeights<T> proj;  // the projections' packed weights and biases
   MaskSlot masks[2];
   bool causal = false;
   int64_t causal_offset = 0;
@@ -382,14 +389,7 @@ struct MhaCacheArgs {
   int64_t x_stride = 0;
   int64_t batch = 0, chunk = 0;
   int64_t embed_dim = 0, num_heads = 1, num_kv_heads = 1, head_dim = 0;
-  const T* packed_q = nullptr;
-  const T* packed_k = nullptr;
-  const T* packed_v = nullptr;
-  const T* packed_o = nullptr;
-  const T* bias_q = nullptr;
-  const T* bias_k = nullptr;
-  const T* bias_v = nullptr;
-  const T* bias_o = nullptr;
+  LayerWeights<T> proj;  // the projections' packed weights and biases
   void* k_cache = nullptr;
   void* v_cache = nullptr;
   Storage storage = Storage::same;

@@ -116,9 +116,10 @@ const T* optional_bias(const char* name, const py::object& obj, int64_t n) {
 }
 
 // The layer's weights tuple (packed q, k, v, out projections, then their optional biases), checked
-// against the shapes, into the packed_* and bias_* fields of MhaArgs or MhaCacheArgs.
-template <class T, class Args>
-void layer_weights(const py::tuple& w, int64_t embed_dim, int64_t kv_width, int64_t kdim, int64_t vdim, Args& m) {
+// against the shapes.
+template <class T>
+void layer_weights(const py::tuple& w, int64_t embed_dim, int64_t kv_width, int64_t kdim, int64_t vdim,
+                   LayerWeights<T>& m) {
   if (w.size() != 8) fail("weights must be a tuple of 8 entries");
   m.packed_q = packed_weight<T>("q_proj_weight", w[0].cast<py::array>(), embed_dim, embed_dim);
   m.packed_k = packed_weight<T>("k_proj_weight", w[1].cast<py::array>(), kv_width, kdim);
@@ -157,7 +158,7 @@ void run_mha(const py::array& xq, const py::array& xk, const py::array& xv, cons
   m.xk = static_cast<const T*>(xk.data());
   m.xv = static_cast<const T*>(xv.data());
   const int64_t kv_width = checked_mul(m.num_kv_heads, m.head_dim);
-  layer_weights<T>(w, m.embed_dim, kv_width, m.kdim, m.vdim, m);
+  layer_weights<T>(w, m.embed_dim, kv_width, m.kdim, m.vdim, m.proj);
 
   const int64_t batch_heads = checked_mul(m.batch, m.num_heads);
   if (masks.size() > 2) fail("at most two masks");
@@ -243,7 +244,7 @@ void run_mha_cached(const py::array& x, const py::tuple& w, const std::vector<in
   const int64_t rows = checked_mul(m.batch, m.chunk), kv_width = checked_mul(m.num_kv_heads, m.head_dim);
   m.x_stride = row_matrix<T>("query", x, rows, m.embed_dim);
   m.x = static_cast<const T*>(x.data());
-  layer_weights<T>(w, m.embed_dim, kv_width, m.embed_dim, m.embed_dim, m);
+  layer_weights<T>(w, m.embed_dim, kv_width, m.embed_dim, m.embed_dim, m.proj);
 
   const py::dtype stored = storage == Storage::same ? py::dtype::of<T>() : py::dtype::of<uint16_t>();
   const std::vector<int64_t> ks = cache_array("k_cache", k_cache, stored, m.batch, m.num_kv_heads, m.head_dim);

@@ -53,6 +53,49 @@ void project(const T* x, int64_t x_stride, int64_t rows, int64_t in, const T* pa
   linear<T>(g, num_threads);
 }
 
+// The attention stage of the layer. Q is head-split in rows of num_heads * head_dim (batch b's
+// queries are rows [b * q_len, (b + 1) * q_len)); K/V head g of batch b starts at element
+// b * kv_stride_b + g * kv_stride_h of k and v, its rows kv_stride_s apart; each head's output goes
+// to its slice of `context` (batch * q_len, num_heads * head_dim). The caller adds masks, causal
+// alignment and per-row lengths; q_off/kv_off hold the offsets the returned arguments point to.
+template <class T>
+AttnArgs<T> head_split_attention(const T* q, const T* k, const T* v, int64_t batch, int64_t q_len, int64_t kv_len,
+                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t kv_stride_b,
+                                 int64_t kv_stride_h, int64_t kv_stride_s, T* context, std::vector<int64_t>& q_off,
+                                 std::vector<int64_t>& kv_off) {
+  const int64_t q_width = num_heads * head_dim, group = num_heads / num_kv_heads;
+  q_off.resize(size_t(batch * num_heads));
+  kv_off.resize(size_t(batch * num_heads));
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < num_heads; ++h) {
+      q_off[size_t(b * num_heads + h)] = b * q_len * q_width + h * head_dim;
+      kv_off[size_t(b * num_heads + h)] = b * kv_stride_b + (h / group) * kv_stride_h;
+    }
+  AttnArgs<T> a;
+  a.q = q;
+  a.k = k;
+  a.v = v;
+  a.q_offset = q_off.data();
+  a.k_offset = kv_off.data();
+  a.v_offset = kv_off.data();  // K and V share their layout
+  a.q_stride_l = q_width;
+  a.k_stride_s = kv_stride_s;
+  a.v_stride_s = kv_stride_s;
+  a.out = context;
+  a.num_heads = num_heads;
+  a.group = group;
+  a.out_stride_b = q_len * q_width;
+  a.out_stride_h = head_dim;
+  a.out_stride_l = q_width;
+  a.batch_heads = batch * num_heads;
+  a.q_len = q_len;
+  a.kv_len = kv_len;
+  a.head_dim = head_dim;
+  a.value_dim = head_dim;
+  a.scale = head_dim > 0 ? 1.0 / std::sqrt(double(head_dim)) : 1.0;
+  return a;
+}
+
 }  // namespace
 
 template <class T>
@@ -64,52 +107,22 @@ void multi_head_attention(const MhaArgs<T>& m, int num_threads) {
   T* const k = q + q_size;
   T* const v = k + kv_size;
   T* const context = v + kv_size;
-  auto project = [&](const T* x, int64_t x_stride, int64_t rows, int64_t in, const T* packed, const T* bias,
-                     T* dst, int64_t width) {
-    pyattn::project<T>(x, x_stride, rows, in, packed, bias, dst, width, num_threads);
-  };
-  project(m.xq, m.xq_stride, q_rows, m.embed_dim, m.packed_q, m.bias_q, q, q_width);
-  project(m.xk, m.xk_stride, kv_rows, m.kdim, m.packed_k, m.bias_k, k, kv_width);
-  project(m.xv, m.xv_stride, kv_rows, m.vdim, m.packed_v, m.bias_v, v, kv_width);
+  project<T>(m.xq, m.xq_stride, q_rows, m.embed_dim, m.proj.packed_q, m.proj.bias_q, q, q_width, num_threads);
+  project<T>(m.xk, m.xk_stride, kv_rows, m.kdim, m.proj.packed_k, m.proj.bias_k, k, kv_width, num_threads);
+  project<T>(m.xv, m.xv_stride, kv_rows, m.vdim, m.proj.packed_v, m.proj.bias_v, v, kv_width, num_threads);
 
-  const int64_t batch_heads = m.batch * m.num_heads;
-  const int64_t group = m.num_heads / m.num_kv_heads;
-  std::vector<int64_t> q_off(static_cast<size_t>(batch_heads)), k_off(static_cast<size_t>(batch_heads));
-  for (int64_t b = 0; b < m.batch; ++b)
-    for (int64_t h = 0; h < m.num_heads; ++h) {
-      q_off[size_t(b * m.num_heads + h)] = b * m.q_len * q_width + h * m.head_dim;
-      k_off[size_t(b * m.num_heads + h)] = b * m.kv_len * kv_width + (h / group) * m.head_dim;
-    }
-  AttnArgs<T> a;
-  a.q = q;
-  a.k = k;
-  a.v = v;
-  a.q_offset = q_off.data();
-  a.k_offset = k_off.data();
-  a.v_offset = k_off.data();  // K and V share their layout
-  a.q_stride_l = q_width;
-  a.k_stride_s = kv_width;
-  a.v_stride_s = kv_width;
-  a.out = context;
-  a.num_heads = m.num_heads;
-  a.group = group;
-  a.out_stride_b = m.q_len * q_width;
-  a.out_stride_h = m.head_dim;
-  a.out_stride_l = q_width;
+  std::vector<int64_t> q_off, kv_off;
+  AttnArgs<T> a = head_split_attention<T>(q, k, v, m.batch, m.q_len, m.kv_len, m.num_heads, m.num_kv_heads,
+                                          m.head_dim, m.kv_len * kv_width, m.head_dim, kv_width, context, q_off,
+                                          kv_off);
   a.weights = m.weights;
   a.masks[0] = m.masks[0];
   a.masks[1] = m.masks[1];
-  a.batch_heads = batch_heads;
-  a.q_len = m.q_len;
-  a.kv_len = m.kv_len;
-  a.head_dim = m.head_dim;
-  a.value_dim = m.head_dim;
   a.causal = m.causal;
   a.causal_offset = m.causal_offset;
-  a.scale = m.head_dim > 0 ? 1.0 / std::sqrt(double(m.head_dim)) : 1.0;
   scaled_dot_product_attention<T>(a, num_threads);
 
-  project(context, q_width, q_rows, q_width, m.packed_o, m.bias_o, m.out, m.embed_dim);
+  project<T>(context, q_width, q_rows, q_width, m.proj.packed_o, m.proj.bias_o, m.out, m.embed_dim, num_threads);
 }
 
 template void multi_head_attention<float>(const MhaArgs<float>&, int);
@@ -142,9 +155,9 @@ void multi_head_attention_cached(const MhaCacheArgs<T>& m, int num_threads) {
   T* const k = q + q_size;
   T* const v = k + kv_size;
   T* const context = v + kv_size;
-  project<T>(m.x, m.x_stride, rows, m.embed_dim, m.packed_q, m.bias_q, q, q_width, num_threads);
-  project<T>(m.x, m.x_stride, rows, m.embed_dim, m.packed_k, m.bias_k, k, kv_width, num_threads);
-  project<T>(m.x, m.x_stride, rows, m.embed_dim, m.packed_v, m.bias_v, v, kv_width, num_threads);
+  project<T>(m.x, m.x_stride, rows, m.embed_dim, m.proj.packed_q, m.proj.bias_q, q, q_width, num_threads);
+  project<T>(m.x, m.x_stride, rows, m.embed_dim, m.proj.packed_k, m.proj.bias_k, k, kv_width, num_threads);
+  project<T>(m.x, m.x_stride, rows, m.embed_dim, m.proj.packed_v, m.proj.bias_v, v, kv_width, num_threads);
 
   // Row b's real tokens: chunk rows [first[b], first[b] + count) go to cache positions
   // [lengths_before[b], lengths_after[b]).
@@ -170,43 +183,20 @@ void multi_head_attention_cached(const MhaCacheArgs<T>& m, int num_threads) {
   const int threads = num_threads > 0 ? num_threads : default_num_threads();
   parallel_for(rows, stored * 2 * kv_width >= kStoreParallelElems ? threads : 1, store_token);
 
-  // The chunk's queries over the cache, read in place: the same arguments as KVCache.attend.
-  const int64_t batch_heads = m.batch * m.num_heads, group = m.num_heads / m.num_kv_heads;
-  std::vector<int64_t> q_off(static_cast<size_t>(batch_heads)), kv_off(static_cast<size_t>(batch_heads));
-  for (int64_t b = 0; b < m.batch; ++b)
-    for (int64_t h = 0; h < m.num_heads; ++h) {
-      q_off[size_t(b * m.num_heads + h)] = b * m.chunk * q_width + h * dim;
-      kv_off[size_t(b * m.num_heads + h)] = b * m.cache_stride_b + (h / group) * m.cache_stride_h;
-    }
-  AttnArgs<T> a;
-  a.q = q;
-  a.k = static_cast<const T*>(m.k_cache);  // uint16 data when storage != same (read as such by the kernel)
-  a.v = static_cast<const T*>(m.v_cache);
+  // The chunk's queries over the cache, read in place (uint16 data when storage != same, read as such
+  // by the kernel): the same arguments as KVCache.attend.
+  std::vector<int64_t> q_off, kv_off;
+  AttnArgs<T> a = head_split_attention<T>(q, static_cast<const T*>(m.k_cache), static_cast<const T*>(m.v_cache),
+                                          m.batch, m.chunk, kv_len, m.num_heads, m.num_kv_heads, dim,
+                                          m.cache_stride_b, m.cache_stride_h, m.cache_stride_s, context, q_off,
+                                          kv_off);
   a.kv_storage = m.storage;
-  a.q_offset = q_off.data();
-  a.k_offset = kv_off.data();
-  a.v_offset = kv_off.data();
-  a.q_stride_l = q_width;
-  a.k_stride_s = m.cache_stride_s;
-  a.v_stride_s = m.cache_stride_s;
-  a.out = context;
-  a.num_heads = m.num_heads;
-  a.group = group;
-  a.out_stride_b = m.chunk * q_width;
-  a.out_stride_h = dim;
-  a.out_stride_l = q_width;
-  a.batch_heads = batch_heads;
-  a.q_len = m.chunk;
-  a.kv_len = kv_len;
-  a.head_dim = dim;
-  a.value_dim = dim;
   a.causal = true;
   a.kv_lens = m.lengths_after;
   a.causal_offsets = causal_offsets.data();
-  a.scale = dim > 0 ? 1.0 / std::sqrt(double(dim)) : 1.0;
   scaled_dot_product_attention<T>(a, num_threads);
 
-  project<T>(context, q_width, rows, q_width, m.packed_o, m.bias_o, m.out, m.embed_dim, num_threads);
+  project<T>(context, q_width, rows, q_width, m.proj.packed_o, m.proj.bias_o, m.out, m.embed_dim, num_threads);
 }
 
 template void multi_head_attention_cached<float>(const MhaCacheArgs<float>&, int);

@@ -26,7 +26,9 @@
 #include <cstring>
 #include <limits>
 
-#if defined(PYATTN_SIMD_AVX512) || defined(PYATTN_SIMD_AVX2)
+#if defined(PYATTN_SIMD_AVX512) && defined(PYATTN_EMULATE_AVX512)
+#include "simd_emulate_avx512.h"  // test builds only: SIMDe's AVX-512 over AVX2
+#elif defined(PYATTN_SIMD_AVX512) || defined(PYATTN_SIMD_AVX2)
 #include <immintrin.h>
 #endif
 
