@@ -906,6 +906,52 @@ def test_linear_rows_do_not_depend_on_the_batch(isa, dtype, rng, with_bias):
             np.testing.assert_array_equal(part, full[rows], err_msg=f"n={n} k={k} rows={rows}")
 
 
+def test_linear_unpacked_weight_views(isa, dtype, rng):
+    # The weight read through its row stride (a row slice of a wider array, rows reversed, rows
+    # skipped) and packed by the GEMM's tasks: the bits of the packed-beforehand GEMM, many row blocks.
+    m, n, k = 200, 70, 45
+    x = random_array(rng, (m, k), dtype)
+    parent = random_array(rng, (2 * n + 3, k + 9), dtype)
+    for w in (parent[3:n + 3, 2:k + 2], parent[n - 1::-1, :k], parent[::2, 5:k + 5][:n]):
+        saved = w.copy()
+        packed, panel = pyattn._core.pack_weights(np.ascontiguousarray(w))
+        expected = np.empty((m, n), dtype)
+        pyattn._core.linear(x, packed, panel, n, None, expected, 2)
+        got = np.full((m, n), np.nan, dtype)
+        pyattn._core.linear(x, w, panel, n, None, got, 2)
+        np.testing.assert_array_equal(got, expected)
+        np.testing.assert_array_equal(w, saved)
+
+
+@pytest.mark.parametrize("kv_cache", [False, True], ids=["no_cache", "cache"])
+@pytest.mark.parametrize("num_kv_heads", [None, 2])
+def test_mha_function_equals_layer_bitwise(isa, dtype, rng, num_kv_heads, kv_cache):
+    # pyattn.mha hands the core the weights as they are (packed by the GEMM's tasks), the layer its
+    # packed copies: the same bits, for one-row steps (several panels per task) and long inputs
+    # (several row blocks), embed_dim not a multiple of the GEMM panel.
+    embed_dim, num_heads = 36, 4
+    layer = pyattn.MultiHeadAttention(embed_dim, num_heads, num_kv_heads=num_kv_heads, dtype=dtype, seed=3)
+    state = layer.state_dict()
+    for name in ("in_proj_bias", "out_proj.bias"):  # nonzero, so a bias read at the wrong columns shows
+        state[name] = random_array(rng, state[name].shape, dtype)
+    layer.load_state_dict(state)
+    weights = layer_weights(layer)
+    kv = num_kv_heads or num_heads
+    for batch, length in ((1, 1), (2, 2), (3, 131)):
+        x = random_array(rng, (batch, length, embed_dim), dtype)
+        if kv_cache:
+            cached = [random_array(rng, (batch, kv, 5, embed_dim // num_heads), dtype) for _ in range(2)]
+            caches = [pyattn.KVCache(batch, kv, embed_dim // num_heads, 300, dtype=dtype) for _ in range(2)]
+            for c in caches:
+                c.append(*cached)
+            expected = layer(x, kv_cache=caches[0])
+            got = mha(x, num_heads=num_heads, num_kv_heads=num_kv_heads, kv_cache=caches[1], **weights)
+        else:
+            expected = layer(x, is_causal=True)
+            got = mha(x, num_heads=num_heads, num_kv_heads=num_kv_heads, is_causal=True, **weights)
+        np.testing.assert_array_equal(got, expected, err_msg=f"batch={batch} length={length}")
+
+
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
 def test_linear_matches_matmul(isa, dtype, rng, with_bias):
     # Every (m, n, k) combination: register-tile edges in all three dimensions.
@@ -922,5 +968,9 @@ def test_linear_matches_matmul(isa, dtype, rng, with_bias):
             expected += bias
         rtol, atol = TOL[dtype]
         np.testing.assert_allclose(out, expected, rtol=rtol, atol=atol, err_msg=f"m={m} n={n} k={k}")
+        # W not packed beforehand (pyattn.mha): the tasks pack their panels; the same bits.
+        unpacked = np.full((m, n), np.nan, dtype=dtype)
+        pyattn._core.linear(x, w, panel, n, bias, unpacked, 1 + (m + n) % 3)
+        np.testing.assert_array_equal(unpacked, out, err_msg=f"unpacked weight, m={m} n={n} k={k}")
         for before, after in zip(saved, (x, w) + ((bias,) if with_bias else ())):
             np.testing.assert_array_equal(after, before, err_msg=f"input modified, m={m} n={n} k={k}")

@@ -209,12 +209,16 @@ struct Tile {
 // C[m, n] = bias[n] + sum_k A[m, k] * W[n, k] (a linear layer, W in PyTorch's (out, in) layout),
 // with W pre-packed into panels of `panel` output columns: packed[p][k][c] = W[p*panel + c][k]
 // (zero beyond n), see pack_weights. A and C rows are strided, so C can be a column slice of a
-// wider buffer (e.g. the Q part of a fused QKV projection).
+// wider buffer (e.g. the Q part of a fused QKV projection). Instead of `packed`, W itself may be
+// given (`w`, rows w_stride apart): then each task of linear() packs the panels it computes into
+// its thread's scratch first (a one-off call: pyattn.mha), with the same results.
 template <class T>
 struct GemmArgs {
   const T* a = nullptr;
   int64_t a_stride = 0;
   const T* packed = nullptr;  // [panels][k][panel]
+  const T* w = nullptr;       // [n][w_stride], when packed is null
+  int64_t w_stride = 0;
   const T* bias = nullptr;    // [n] or nullptr
   T* c = nullptr;
   int64_t c_stride = 0;
@@ -337,18 +341,20 @@ int set_group_tiles(int on);
 bool openmp_enabled();
 const char* openmp_runtime();
 
-// The four projections of a multi-head attention layer, each packed by pack_weights for the active
-// ISA (W in (out_features, in_features) layout); a null bias adds nothing.
+// One projection of a multi-head attention layer: its weight packed by pack_weights for the active
+// ISA (MultiHeadAttention packs once), or the (out_features, in_features) weight itself, rows
+// w_stride apart (pyattn.mha: packed per GEMM task, see GemmArgs); a null bias adds nothing.
+template <class T>
+struct Projection {
+  const T* packed = nullptr;
+  const T* w = nullptr;
+  int64_t w_stride = 0;
+  const T* bias = nullptr;
+};
+
 template <class T>
 struct LayerWeights {
-  const T* packed_q = nullptr;
-  const T* packed_k = nullptr;
-  const T* packed_v = nullptr;
-  const T* packed_o = nullptr;
-  const T* bias_q = nullptr;
-  const T* bias_k = nullptr;
-  const T* bias_v = nullptr;
-  const T* bias_o = nullptr;
+  Projection<T> q, k, v, o;
 };
 
 // One multi-head attention layer (inference), batch-first: three projections, attention, output

@@ -46,25 +46,41 @@ py::tuple pack_weights_py(const py::array& w) {
   fail("weight: dtype must be float32 or float64");
 }
 
+// A row matrix input (rows, cols) of the MHA: 2-D, dtype T, last axis contiguous; returns its row stride.
+template <class T>
+int64_t row_matrix(const char* name, const py::array& x, int64_t rows, int64_t cols) {
+  if (x.ndim() != 2 || x.shape(0) != rows || x.shape(1) != cols) fail(std::string(name) + ": wrong shape");
+  if (!x.dtype().is(py::dtype::of<T>())) fail(std::string(name) + ": wrong dtype");
+  check_aligned(name, x);
+  if (cols > 1 && x.strides(1) != py::ssize_t(sizeof(T))) fail(std::string(name) + ": last axis must be contiguous");
+  return rows > 1 ? x.strides(0) / int64_t(sizeof(T)) : 0;
+}
+
 template <class T>
 void linear_t(const py::array& x, const py::array& packed, int64_t panel, int64_t n, const py::object& bias_obj,
               py::array& out, int num_threads) {
   const KernelSet<T>& ks = active_set<T>();
-  if (panel != ks.gemm_panel) fail("packed weight was packed for another ISA; pack it again");
   if (x.ndim() != 2 || out.ndim() != 2) fail("x and out must be 2-D");
   const int64_t m = x.shape(0), k = x.shape(1);
   if (out.shape(0) != m || out.shape(1) != n) fail("out: shape must be (m, n)");
   if (!packed.dtype().is(x.dtype()) || !out.dtype().is(x.dtype())) fail("packed and out must share x's dtype");
-  if (packed.ndim() != 1 || packed.size() != packed_elems(n, k, panel) ||
-      !(packed.flags() & py::array::c_style))
+  GemmArgs<T> g;
+  if (packed.ndim() == 2) {  // the (n, k) weight itself: the GEMM's tasks pack it as they go
+    g.w = static_cast<const T*>(packed.data());
+    g.w_stride = row_matrix<T>("packed", packed, n, k);
+  } else if (panel != ks.gemm_panel) {
+    fail("packed weight was packed for another ISA; pack it again");
+  } else if (packed.ndim() != 1 || packed.size() != packed_elems(n, k, panel) ||
+             !(packed.flags() & py::array::c_style)) {
     fail("packed: size does not match (n, k)");
+  } else {
+    g.packed = static_cast<const T*>(packed.data());
+  }
   check_aligned("x", x);
   if (x.size() > 0 && k > 1 && x.strides(1) != py::ssize_t(sizeof(T))) fail("x: last axis must be contiguous");
   if (!(out.flags() & py::array::c_style) || !out.writeable()) fail("out: must be C-contiguous and writeable");
-  GemmArgs<T> g;
   g.a = static_cast<const T*>(x.data());
   g.a_stride = m > 1 ? x.strides(0) / int64_t(sizeof(T)) : 0;
-  g.packed = static_cast<const T*>(packed.data());
   if (!bias_obj.is_none()) {
     const py::array bias = py::reinterpret_borrow<py::array>(bias_obj);
     if (!bias.dtype().is(x.dtype()) || bias.ndim() != 1 || bias.shape(0) != n || !(bias.flags() & py::array::c_style))
@@ -87,16 +103,6 @@ void linear_py(const py::array& x, const py::array& packed, int64_t panel, int64
   fail("x: dtype must be float32 or float64");
 }
 
-// A row matrix input (rows, cols) of the MHA: 2-D, dtype T, last axis contiguous; returns its row stride.
-template <class T>
-int64_t row_matrix(const char* name, const py::array& x, int64_t rows, int64_t cols) {
-  if (x.ndim() != 2 || x.shape(0) != rows || x.shape(1) != cols) fail(std::string(name) + ": wrong shape");
-  if (!x.dtype().is(py::dtype::of<T>())) fail(std::string(name) + ": wrong dtype");
-  check_aligned(name, x);
-  if (cols > 1 && x.strides(1) != py::ssize_t(sizeof(T))) fail(std::string(name) + ": last axis must be contiguous");
-  return rows > 1 ? x.strides(0) / int64_t(sizeof(T)) : 0;
-}
-
 template <class T>
 const T* packed_weight(const char* name, const py::array& p, int64_t n, int64_t k) {
   const int64_t panel = active_set<T>().gemm_panel;
@@ -115,20 +121,33 @@ const T* optional_bias(const char* name, const py::object& obj, int64_t n) {
   return static_cast<const T*>(b.data());
 }
 
-// The layer's weights tuple (packed q, k, v, out projections, then their optional biases), checked
-// against the shapes.
+// One projection's weight for the layer: packed for the active ISA (1-D, from pack_weights), or the
+// (n, k) weight itself (2-D, last axis contiguous), which the GEMM's tasks pack as they go.
+template <class T>
+Projection<T> projection(const char* name, const py::object& weight, const char* bias_name, const py::object& bias,
+                         int64_t n, int64_t k) {
+  Projection<T> p;
+  const py::array w = weight.cast<py::array>();
+  if (w.ndim() == 2) {
+    p.w = static_cast<const T*>(w.data());
+    p.w_stride = row_matrix<T>(name, w, n, k);
+  } else {
+    p.packed = packed_weight<T>(name, w, n, k);
+  }
+  p.bias = optional_bias<T>(bias_name, bias, n);
+  return p;
+}
+
+// The layer's weights tuple (q, k, v, out projections, each packed or not, then their optional
+// biases), checked against the shapes.
 template <class T>
 void layer_weights(const py::tuple& w, int64_t embed_dim, int64_t kv_width, int64_t kdim, int64_t vdim,
                    LayerWeights<T>& m) {
   if (w.size() != 8) fail("weights must be a tuple of 8 entries");
-  m.packed_q = packed_weight<T>("q_proj_weight", w[0].cast<py::array>(), embed_dim, embed_dim);
-  m.packed_k = packed_weight<T>("k_proj_weight", w[1].cast<py::array>(), kv_width, kdim);
-  m.packed_v = packed_weight<T>("v_proj_weight", w[2].cast<py::array>(), kv_width, vdim);
-  m.packed_o = packed_weight<T>("out_proj_weight", w[3].cast<py::array>(), embed_dim, embed_dim);
-  m.bias_q = optional_bias<T>("q_proj_bias", w[4], embed_dim);
-  m.bias_k = optional_bias<T>("k_proj_bias", w[5], kv_width);
-  m.bias_v = optional_bias<T>("v_proj_bias", w[6], kv_width);
-  m.bias_o = optional_bias<T>("out_proj_bias", w[7], embed_dim);
+  m.q = projection<T>("q_proj_weight", w[0], "q_proj_bias", w[4], embed_dim, embed_dim);
+  m.k = projection<T>("k_proj_weight", w[1], "k_proj_bias", w[5], kv_width, kdim);
+  m.v = projection<T>("v_proj_weight", w[2], "v_proj_bias", w[6], kv_width, vdim);
+  m.o = projection<T>("out_proj_weight", w[3], "out_proj_bias", w[7], embed_dim, embed_dim);
 }
 
 template <class T>

@@ -3,10 +3,12 @@
 // loop over output tiles.
 //
 // Tasks are (block of rows, weight panel) pairs, row-block major, so a thread that takes consecutive
-// panels of one row block keeps those A rows in its L2. Each C element is produced by one task with
+// panels of one row block keeps those A rows in its L2. A weight not packed beforehand is packed
+// by the tasks themselves, panel by panel into per-thread scratch. Each C element is produced by one task with
 // the full K reduction, so results do not depend on the thread count.
 
 #include <algorithm>
+#include <vector>
 
 #include "attention.h"
 #include "parallel.h"
@@ -20,6 +22,15 @@ constexpr int64_t kTilesPerTask = 16;
 // in one pass there (AVX2, one row), and 8 panels of 16 floats are 512 output columns, so an
 // E = 768 projection still makes 6 tasks.
 constexpr int64_t kShortPanelsPerTask = 8;
+
+// The calling thread's buffer for the panels linear()'s tasks pack (GemmArgs::w); it only grows, so
+// later calls reuse its memory (no page faults for fresh pages on every call).
+template <class T>
+T* pack_scratch(size_t elems) {
+  thread_local std::vector<T> buffer;
+  if (buffer.size() < elems) buffer.resize(elems);
+  return buffer.data();
+}
 
 }  // namespace
 
@@ -39,13 +50,30 @@ void linear(const GemmArgs<T>& g, int num_threads) {
   const int64_t group = g.m <= 2 ? kShortPanelsPerTask : 1;
   const int64_t groups = ceil_div(panels, group);
   const int64_t tasks = groups * row_blocks;
-  auto body = [&](int64_t t) {
-    const int64_t rb = t / groups, p0 = t % groups * group;
-    const int64_t r0 = rb * rows_per_task;
-    ks.gemm(g, r0, std::min(g.m, r0 + rows_per_task), p0, std::min(panels, p0 + group));
-  };
   const int wanted = int(std::max<int64_t>(1, std::min<int64_t>(num_threads > 0 ? num_threads : default_num_threads(), tasks)));
   const int threads = threads_for(double(g.m) * double(g.n) * double(g.k), wanted);
+  // W as given (not packed beforehand): each thread packs the panels of its task into its slice of
+  // the calling thread's scratch (allocated here, before the parallel region, which no exception
+  // may leave), at most `group` panels of k x panel: L2-sized for the k of a layer.
+  const size_t per_thread = g.packed ? 0 : size_t(group * g.k * ks.gemm_panel);
+  T* const scratch = g.packed ? nullptr : pack_scratch<T>(per_thread * size_t(threads));
+  auto body = [&](int64_t t) {
+    const int64_t rb = t / groups, p0 = t % groups * group, p1 = std::min(panels, p0 + group);
+    const int64_t r0 = rb * rows_per_task, r1 = std::min(g.m, r0 + rows_per_task);
+    if (g.packed) return ks.gemm(g, r0, r1, p0, p1);
+    // The same kernel over the columns of panels [p0, p1), packed first; a panel is packed once per
+    // block of rows_per_task rows, 1/rows_per_task of the multiply-adds that use it.
+    const int64_t col0 = p0 * ks.gemm_panel;
+    GemmArgs<T> sub = g;
+    sub.w = g.w + col0 * g.w_stride;
+    sub.n = std::min(g.n - col0, (p1 - p0) * ks.gemm_panel);
+    sub.bias = g.bias ? g.bias + col0 : nullptr;
+    sub.c = g.c + col0;
+    T* const packed = scratch + per_thread * size_t(thread_id());
+    for (int64_t p = 0; p < p1 - p0; ++p) ks.pack_panel(sub.w, sub.w_stride, sub.n, sub.k, p, packed);
+    sub.packed = packed;
+    ks.gemm(sub, r0, r1, 0, p1 - p0);
+  };
   parallel_for(tasks, threads, body);
 }
 

@@ -36,15 +36,17 @@ T* workspace(size_t elems) {
   return buffer.data();
 }
 
-// dst (rows, width) = x (rows, in) @ W.T + bias, W packed by pack_weights.
+// dst (rows, width) = x (rows, in) @ W.T + bias.
 template <class T>
-void project(const T* x, int64_t x_stride, int64_t rows, int64_t in, const T* packed, const T* bias, T* dst,
-             int64_t width, int num_threads) {
+void project(const T* x, int64_t x_stride, int64_t rows, int64_t in, const Projection<T>& p, T* dst, int64_t width,
+             int num_threads) {
   GemmArgs<T> g;
   g.a = x;
   g.a_stride = x_stride;
-  g.packed = packed;
-  g.bias = bias;
+  g.packed = p.packed;
+  g.w = p.w;
+  g.w_stride = p.w_stride;
+  g.bias = p.bias;
   g.c = dst;
   g.c_stride = width;
   g.m = rows;
@@ -107,9 +109,9 @@ void multi_head_attention(const MhaArgs<T>& m, int num_threads) {
   T* const k = q + q_size;
   T* const v = k + kv_size;
   T* const context = v + kv_size;
-  project<T>(m.xq, m.xq_stride, q_rows, m.embed_dim, m.proj.packed_q, m.proj.bias_q, q, q_width, num_threads);
-  project<T>(m.xk, m.xk_stride, kv_rows, m.kdim, m.proj.packed_k, m.proj.bias_k, k, kv_width, num_threads);
-  project<T>(m.xv, m.xv_stride, kv_rows, m.vdim, m.proj.packed_v, m.proj.bias_v, v, kv_width, num_threads);
+  project<T>(m.xq, m.xq_stride, q_rows, m.embed_dim, m.proj.q, q, q_width, num_threads);
+  project<T>(m.xk, m.xk_stride, kv_rows, m.kdim, m.proj.k, k, kv_width, num_threads);
+  project<T>(m.xv, m.xv_stride, kv_rows, m.vdim, m.proj.v, v, kv_width, num_threads);
 
   std::vector<int64_t> q_off, kv_off;
   AttnArgs<T> a = head_split_attention<T>(q, k, v, m.batch, m.q_len, m.kv_len, m.num_heads, m.num_kv_heads,
@@ -122,7 +124,7 @@ void multi_head_attention(const MhaArgs<T>& m, int num_threads) {
   a.causal_offset = m.causal_offset;
   scaled_dot_product_attention<T>(a, num_threads);
 
-  project<T>(context, q_width, q_rows, q_width, m.proj.packed_o, m.proj.bias_o, m.out, m.embed_dim, num_threads);
+  project<T>(context, q_width, q_rows, q_width, m.proj.o, m.out, m.embed_dim, num_threads);
 }
 
 template void multi_head_attention<float>(const MhaArgs<float>&, int);
@@ -155,9 +157,9 @@ void multi_head_attention_cached(const MhaCacheArgs<T>& m, int num_threads) {
   T* const k = q + q_size;
   T* const v = k + kv_size;
   T* const context = v + kv_size;
-  project<T>(m.x, m.x_stride, rows, m.embed_dim, m.proj.packed_q, m.proj.bias_q, q, q_width, num_threads);
-  project<T>(m.x, m.x_stride, rows, m.embed_dim, m.proj.packed_k, m.proj.bias_k, k, kv_width, num_threads);
-  project<T>(m.x, m.x_stride, rows, m.embed_dim, m.proj.packed_v, m.proj.bias_v, v, kv_width, num_threads);
+  project<T>(m.x, m.x_stride, rows, m.embed_dim, m.proj.q, q, q_width, num_threads);
+  project<T>(m.x, m.x_stride, rows, m.embed_dim, m.proj.k, k, kv_width, num_threads);
+  project<T>(m.x, m.x_stride, rows, m.embed_dim, m.proj.v, v, kv_width, num_threads);
 
   // Row b's real tokens: chunk rows [first[b], first[b] + count) go to cache positions
   // [lengths_before[b], lengths_after[b]).
@@ -196,7 +198,7 @@ void multi_head_attention_cached(const MhaCacheArgs<T>& m, int num_threads) {
   a.causal_offsets = causal_offsets.data();
   scaled_dot_product_attention<T>(a, num_threads);
 
-  project<T>(context, q_width, rows, q_width, m.proj.packed_o, m.proj.bias_o, m.out, m.embed_dim, num_threads);
+  project<T>(context, q_width, rows, q_width, m.proj.o, m.out, m.embed_dim, num_threads);
 }
 
 template void multi_head_attention_cached<float>(const MhaCacheArgs<float>&, int);

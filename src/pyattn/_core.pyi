@@ -17,6 +17,13 @@ DECODE_MAX_Q_LEN: int
 
 # (name, mask array, per-(batch, head) int64 offsets, stride_l, stride_s, true_forbids)
 _MaskEntry = Tuple[str, np.ndarray, npt.NDArray[np.int64], int, int, bool]
+# The layer's q, k, v, out projection weights (each packed by pack_weights for the active ISA, or
+# the (out_features, in_features) array itself, packed by the GEMM's tasks as they go), then their
+# optional biases.
+_LayerWeights = Tuple[
+    np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+    Optional[np.ndarray], Optional[np.ndarray], Optional[np.ndarray], Optional[np.ndarray],
+]
 
 def sdpa(
     query: np.ndarray,
@@ -59,22 +66,13 @@ def linear(
     out: np.ndarray,
     num_threads: int,
 ) -> None:
-    """out = x @ W.T + bias with W packed by pack_weights (x, out 2-D, last axis contiguous)."""
+    """out = x @ W.T + bias with W packed by pack_weights, or W itself (n, k) (x, out 2-D, last axis contiguous)."""
 
 def mha(
     xq: np.ndarray,
     xk: np.ndarray,
     xv: np.ndarray,
-    weights: Tuple[
-        np.ndarray,
-        np.ndarray,
-        np.ndarray,
-        np.ndarray,
-        Optional[np.ndarray],
-        Optional[np.ndarray],
-        Optional[np.ndarray],
-        Optional[np.ndarray],
-    ],
+    weights: _LayerWeights,
     dims: Sequence[int],
     masks: Sequence[_MaskEntry],
     causal: int,
@@ -91,16 +89,7 @@ def mha(
 
 def mha_cached(
     x: np.ndarray,
-    weights: Tuple[
-        np.ndarray,
-        np.ndarray,
-        np.ndarray,
-        np.ndarray,
-        Optional[np.ndarray],
-        Optional[np.ndarray],
-        Optional[np.ndarray],
-        Optional[np.ndarray],
-    ],
+    weights: _LayerWeights,
     dims: Sequence[int],
     k_cache: np.ndarray,
     v_cache: np.ndarray,
