@@ -21,6 +21,9 @@ Table 1, the layer: self-attention ``out = layer(x)`` with x (B, L, E), no mask,
 (E=768, 12 heads; B in 1, 8; L in 128, 512) and MiniLM-sized (E=384, 12 heads, B=8, L=128) layers:
 
 * pyattn: ``pyattn.MultiHeadAttention.from_torch(module)`` (weights packed once), ``num_threads``;
+* mha: ``pyattn.mha(x, **weights)``, the functional form with the same weights as arrays on every
+  call (its GEMM packs them as it goes; the output must equal the layer's bit for bit), "mha/layer"
+  its time over the layer's;
 * torch: the same ``torch.nn.MultiheadAttention`` (batch_first=True, eval, ``torch.inference_mode()``,
   ``need_weights=False``), i.e. what a PyTorch user runs for inference;
 * ref: ``pyattn.reference.mha``, the float64 NumPy reference (only on the L=128 shapes; it is a
@@ -48,6 +51,8 @@ Table 3, a decode step: one new token through a self-attention layer over a KV c
 * pyattn: ``layer(token, kv_cache=cache)`` (projections, the token's K/V into the cache, attention
   over the cache, output projection, in one call); each timed call generates DECODE_STEPS tokens
   from position S (``cache.truncate(S)`` first, which is timed too);
+* mha: the same steps through ``pyattn.mha(token, kv_cache=cache2, **weights)`` over a second cache
+  (the weights as arrays on every call; the output must equal the layer's bit for bit);
 * torch: the same weights as ``torch.nn.functional.linear`` projections, a preallocated float32
   K/V cache tensor (1, Hkv, S + DECODE_STEPS, Dh) written in place, and
   ``F.scaled_dot_product_attention(enable_gqa=...)`` over its filled part: what a PyTorch user
@@ -237,9 +242,17 @@ def layer_row(pyattn, case: LayerCase, args, peak) -> dict:
         with torch.inference_mode():
             return module(tx, tx, tx, need_weights=False)[0]
 
-    (t_pyattn, out), (t_torch, torch_out) = interleaved(
-        {"pyattn": lambda: layer(x, num_threads=args.threads), "torch": run_torch}, args
+    weights = {k.replace(".", "_"): v for k, v in layer.state_dict().items()}
+    (t_pyattn, out), (t_function, function_out), (t_torch, torch_out) = interleaved(
+        {
+            "pyattn": lambda: layer(x, num_threads=args.threads),
+            "pyattn.mha": lambda: pyattn.mha(x, num_heads=case.num_heads, num_threads=args.threads, **weights),
+            "torch": run_torch,
+        },
+        args,
     )
+    if not np.array_equal(function_out, out):
+        raise AssertionError(f"{case.name}: pyattn.mha differs from the layer with the same weights")
     torch_out = torch_out.numpy()
 
     row = {
@@ -252,6 +265,8 @@ def layer_row(pyattn, case: LayerCase, args, peak) -> dict:
         "pyattn_ms": t_pyattn.median * 1e3,
         "pyattn_min_ms": t_pyattn.min * 1e3,
         "pyattn_runs": t_pyattn.runs,
+        "function_ms": t_function.median * 1e3,
+        "function_vs_pyattn": t_function.median / t_pyattn.median,
         "torch_ms": t_torch.median * 1e3,
         "torch_runs": t_torch.runs,
         "torch_vs_pyattn": t_torch.median / t_pyattn.median,
@@ -261,7 +276,6 @@ def layer_row(pyattn, case: LayerCase, args, peak) -> dict:
     row["gflops"] = case.flops / t_pyattn.median / 1e9
     row["pct_fma_peak"] = 100 * row["gflops"] / peak if peak else None
     if case.small:
-        weights = {k.replace(".", "_"): v for k, v in layer.state_dict().items()}
         ref_timing = dict(timing, min_runs=min(args.min_runs, 3), warmup=1)
         with args.blas_limit():
             t_ref, ref = time_call(lambda: pyattn.reference.mha(x, num_heads=case.num_heads, **weights), **ref_timing)
@@ -290,13 +304,24 @@ def decode_row(pyattn, case: DecodeCase, args, peak) -> dict:
     state["out_proj.bias"] = (0.1 * rng.standard_normal(state["out_proj.bias"].shape)).astype(DTYPE)
     layer.load_state_dict(state)
     cache = pyattn.KVCache(1, hkv, dh, s + DECODE_STEPS, dtype=case.dtype)
-    layer(rng.standard_normal((1, s, e), dtype=DTYPE), kv_cache=cache, num_threads=args.threads)  # the prompt
+    function_cache = pyattn.KVCache(1, hkv, dh, s + DECODE_STEPS, dtype=case.dtype)
+    prompt = rng.standard_normal((1, s, e), dtype=DTYPE)
+    layer(prompt, kv_cache=cache, num_threads=args.threads)
+    layer(prompt, kv_cache=function_cache, num_threads=args.threads)
     tokens = rng.standard_normal((DECODE_STEPS, 1, 1, e), dtype=DTYPE)
+    weights = {k.replace(".", "_"): v for k, v in state.items()}
 
     def run_pyattn():
         cache.truncate(s)
         for token in tokens:
             out = layer(token, kv_cache=cache, num_threads=args.threads)
+        return out
+
+    def run_function():  # pyattn.mha: the weights as arrays on every call
+        function_cache.truncate(s)
+        for token in tokens:
+            out = pyattn.mha(token, num_heads=h, num_kv_heads=hkv, kv_cache=function_cache,
+                             num_threads=args.threads, **weights)
         return out
 
     torch.set_num_threads(args.threads)
@@ -323,7 +348,10 @@ def decode_row(pyattn, case: DecodeCase, args, peak) -> dict:
                 out = F.linear(o.transpose(1, 2).reshape(1, 1, e), wo, bo)
         return out
 
-    (t_pyattn, out), (t_torch, _) = interleaved({"pyattn": run_pyattn, "torch": run_torch}, args)
+    (t_pyattn, out), (t_function, function_out), (t_torch, _) = interleaved(
+        {"pyattn": run_pyattn, "pyattn.mha": run_function, "torch": run_torch}, args)
+    if not np.array_equal(function_out, out):
+        raise AssertionError(f"{case.name}: pyattn.mha differs from the layer with the same weights")
 
     # The last token (it sees every cached key) in float64 from the K/V the cache stores.
     f64 = lambda a: np.asarray(a, dtype=np.float64)  # noqa: E731
@@ -350,6 +378,8 @@ def decode_row(pyattn, case: DecodeCase, args, peak) -> dict:
         "step_bytes": case.step_bytes(s + DECODE_STEPS // 2),
         "gbs": case.step_bytes(s + DECODE_STEPS // 2) / step / 1e9,
         "max_abs_err": max_abs_diff(out.reshape(e), expected),
+        "function_ms": t_function.median / DECODE_STEPS * 1e3,
+        "function_vs_pyattn": t_function.median / t_pyattn.median,
         "torch_ms": t_torch.median / DECODE_STEPS * 1e3,
         "torch_runs": t_torch.runs,
         "torch_vs_pyattn": t_torch.median / t_pyattn.median,
@@ -462,6 +492,8 @@ LAYER_TABLE = Table(
         Column("%peak", 5),
         Column("max err", 7),
         Column("vs", 5, right=False),
+        Column("mha ms", 7),
+        Column("mha/layer", 9),
         Column("torch ms", 8),
         Column("torch x", 7),
         Column("ref ms", 7),
@@ -494,6 +526,8 @@ DECODE_TABLE = Table(
         Column("min ms", 7),
         Column("GB/s", 5),
         Column("max err", 7),
+        Column("mha ms", 7),
+        Column("mha/layer", 9),
         Column("torch ms", 8),
         Column("torch x", 7),
         Column("bg", 3),
@@ -508,6 +542,8 @@ def decode_cells(row: dict) -> list[str]:
         fmt_ms(row["pyattn_min_ms"]),
         fmt(row["gbs"], ".1f"),
         fmt(row["max_abs_err"], ".1e"),
+        fmt_ms(row["function_ms"]),
+        fmt(row["function_vs_pyattn"], ".2f"),
         fmt_ms(row["torch_ms"]),
         fmt(row["torch_vs_pyattn"], ".2f"),
         fmt(row.get("background_cpus"), ".1f"),
@@ -523,6 +559,8 @@ def layer_cells(row: dict) -> list[str]:
         fmt(row["pct_fma_peak"], ".0f"),
         fmt(row["max_abs_err"], ".1e"),
         row["err_vs"],
+        fmt_ms(row["function_ms"]),
+        fmt(row["function_vs_pyattn"], ".2f"),
         fmt_ms(row["torch_ms"]),
         fmt(row["torch_vs_pyattn"], ".2f"),
         fmt_ms(row["reference_ms"]),
