@@ -36,6 +36,20 @@ T* workspace(size_t elems) {
   return buffer.data();
 }
 
+// The layer's intermediates, carved from the workspace: Q and the attention's output `context`
+// (q_rows, q_width), K and V (kv_rows, kv_width).
+template <class T>
+struct LayerBuffers {
+  T *q, *k, *v, *context;
+};
+
+template <class T>
+LayerBuffers<T> layer_buffers(int64_t q_rows, int64_t q_width, int64_t kv_rows, int64_t kv_width) {
+  const size_t q_size = size_t(q_rows * q_width), kv_size = size_t(kv_rows * kv_width);
+  T* const q = workspace<T>(2 * q_size + 2 * kv_size);
+  return {q, q + q_size, q + q_size + kv_size, q + q_size + 2 * kv_size};
+}
+
 // dst (rows, width) = x (rows, in) @ W.T + bias.
 template <class T>
 void project(const T* x, int64_t x_stride, int64_t rows, int64_t in, const Projection<T>& p, T* dst, int64_t width,
@@ -104,11 +118,8 @@ template <class T>
 void multi_head_attention(const MhaArgs<T>& m, int num_threads) {
   const int64_t q_rows = m.batch * m.q_len, kv_rows = m.batch * m.kv_len;
   const int64_t q_width = m.num_heads * m.head_dim, kv_width = m.num_kv_heads * m.head_dim;
-  const size_t q_size = size_t(q_rows * q_width), kv_size = size_t(kv_rows * kv_width);
-  T* const q = workspace<T>(2 * q_size + 2 * kv_size);
-  T* const k = q + q_size;
-  T* const v = k + kv_size;
-  T* const context = v + kv_size;
+  const LayerBuffers<T> buf = layer_buffers<T>(q_rows, q_width, kv_rows, kv_width);
+  T *const q = buf.q, *const k = buf.k, *const v = buf.v, *const context = buf.context;
   project<T>(m.xq, m.xq_stride, q_rows, m.embed_dim, m.proj.q, q, q_width, num_threads);
   project<T>(m.xk, m.xk_stride, kv_rows, m.kdim, m.proj.k, k, kv_width, num_threads);
   project<T>(m.xv, m.xv_stride, kv_rows, m.vdim, m.proj.v, v, kv_width, num_threads);
@@ -152,11 +163,8 @@ template <class T>
 void multi_head_attention_cached(const MhaCacheArgs<T>& m, int num_threads) {
   const int64_t rows = m.batch * m.chunk, dim = m.head_dim;
   const int64_t q_width = m.num_heads * dim, kv_width = m.num_kv_heads * dim;
-  const size_t q_size = size_t(rows * q_width), kv_size = size_t(rows * kv_width);
-  T* const q = workspace<T>(2 * q_size + 2 * kv_size);
-  T* const k = q + q_size;
-  T* const v = k + kv_size;
-  T* const context = v + kv_size;
+  const LayerBuffers<T> buf = layer_buffers<T>(rows, q_width, rows, kv_width);
+  T *const q = buf.q, *const k = buf.k, *const v = buf.v, *const context = buf.context;
   project<T>(m.x, m.x_stride, rows, m.embed_dim, m.proj.q, q, q_width, num_threads);
   project<T>(m.x, m.x_stride, rows, m.embed_dim, m.proj.k, k, kv_width, num_threads);
   project<T>(m.x, m.x_stride, rows, m.embed_dim, m.proj.v, v, kv_width, num_threads);

@@ -68,35 +68,29 @@ inline simde__m256i cvtps_ph_nearest(simde__m512 x) {
   return r;
 }
 
-// Sixteen 32-bit lanes truncated to their low 16 bits.
-inline simde__m256i cvtepi32_epi16(simde__m512i x) {
-  uint32_t in[16];
-  uint16_t out[16];
+// Lane by lane: N lanes of In in x, each converted by f to Out, packed into a vector R.
+template <class R, class Out, class In, int N, class X, class F>
+R lanewise(X x, F f) {
+  static_assert(sizeof(X) == N * sizeof(In) && sizeof(R) == N * sizeof(Out), "lane counts");
+  In in[N];
+  Out out[N];
   std::memcpy(in, &x, sizeof(in));
-  for (int i = 0; i < 16; ++i) out[i] = static_cast<uint16_t>(in[i] & 0xFFFFu);
-  simde__m256i r;
+  for (int i = 0; i < N; ++i) out[i] = f(in[i]);
+  R r;
   std::memcpy(&r, out, sizeof(r));
   return r;
 }
 
-// Zero extensions: sixteen uint16 to uint32, eight uint32 to uint64.
+// Sixteen 32-bit lanes truncated to their low 16 bits; zero extensions of sixteen uint16 to uint32
+// and of eight uint32 to uint64.
+inline simde__m256i cvtepi32_epi16(simde__m512i x) {
+  return lanewise<simde__m256i, uint16_t, uint32_t, 16>(x, [](uint32_t v) { return uint16_t(v & 0xFFFFu); });
+}
 inline simde__m512i cvtepu16_epi32(simde__m256i x) {
-  uint16_t in[16];
-  uint32_t out[16];
-  std::memcpy(in, &x, sizeof(in));
-  for (int i = 0; i < 16; ++i) out[i] = in[i];
-  simde__m512i r;
-  std::memcpy(&r, out, sizeof(r));
-  return r;
+  return lanewise<simde__m512i, uint32_t, uint16_t, 16>(x, [](uint16_t v) { return uint32_t(v); });
 }
 inline simde__m512i cvtepu32_epi64(simde__m256i x) {
-  uint32_t in[8];
-  uint64_t out[8];
-  std::memcpy(in, &x, sizeof(in));
-  for (int i = 0; i < 8; ++i) out[i] = in[i];
-  simde__m512i r;
-  std::memcpy(&r, out, sizeof(r));
-  return r;
+  return lanewise<simde__m512i, uint64_t, uint32_t, 8>(x, [](uint32_t v) { return uint64_t(v); });
 }
 
 }  // namespace pyattn_emulate
