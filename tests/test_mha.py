@@ -923,6 +923,17 @@ def test_linear_unpacked_weight_views(isa, dtype, rng):
         np.testing.assert_array_equal(w, saved)
 
 
+def test_linear_empty_inner_dimension(isa, dtype, rng):
+    # k = 0: every output is its bias, whether the weight comes packed or as it is.
+    bias = random_array(rng, (5,), dtype)
+    w = np.ones((5, 0), dtype)
+    packed, panel = pyattn._core.pack_weights(w)
+    for weight in (packed, w):
+        out = np.full((3, 5), np.nan, dtype)
+        pyattn._core.linear(np.ones((3, 0), dtype), weight, panel, 5, bias, out, 2)
+        np.testing.assert_array_equal(out, np.broadcast_to(bias, (3, 5)))
+
+
 @pytest.mark.parametrize("kv_cache", [False, True], ids=["no_cache", "cache"])
 @pytest.mark.parametrize("num_kv_heads", [None, 2])
 def test_mha_function_equals_layer_bitwise(isa, dtype, rng, num_kv_heads, kv_cache):

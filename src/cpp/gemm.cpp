@@ -56,7 +56,7 @@ void linear(const GemmArgs<T>& g, int num_threads) {
   // the calling thread's scratch (allocated here, before the parallel region, which no exception
   // may leave), at most `group` panels of k x panel: L2-sized for the k of a layer.
   const size_t per_thread = g.packed ? 0 : size_t(group * g.k * ks.gemm_panel);
-  T* const scratch = g.packed ? nullptr : pack_scratch<T>(per_thread * size_t(threads));
+  T* const scratch = g.packed ? nullptr : pack_scratch<T>(std::max<size_t>(1, per_thread * size_t(threads)));
   auto body = [&](int64_t t) {
     const int64_t rb = t / groups, p0 = t % groups * group, p1 = std::min(panels, p0 + group);
     const int64_t r0 = rb * rows_per_task, r1 = std::min(g.m, r0 + rows_per_task);
