@@ -908,19 +908,21 @@ def test_linear_rows_do_not_depend_on_the_batch(isa, dtype, rng, with_bias):
 
 def test_linear_unpacked_weight_views(isa, dtype, rng):
     # The weight read through its row stride (a row slice of a wider array, rows reversed, rows
-    # skipped) and packed by the GEMM's tasks: the bits of the packed-beforehand GEMM, many row blocks.
-    m, n, k = 200, 70, 45
-    x = random_array(rng, (m, k), dtype)
+    # skipped) and packed by the GEMM's tasks: the bits of the packed-beforehand GEMM, for a few row
+    # blocks and for many (over 8 blocks of 16 register tiles of up to 8 rows).
+    n, k = 70, 45
     parent = random_array(rng, (2 * n + 3, k + 9), dtype)
-    for w in (parent[3:n + 3, 2:k + 2], parent[n - 1::-1, :k], parent[::2, 5:k + 5][:n]):
-        saved = w.copy()
-        packed, panel = pyattn._core.pack_weights(np.ascontiguousarray(w))
-        expected = np.empty((m, n), dtype)
-        pyattn._core.linear(x, packed, panel, n, None, expected, 2)
-        got = np.full((m, n), np.nan, dtype)
-        pyattn._core.linear(x, w, panel, n, None, got, 2)
-        np.testing.assert_array_equal(got, expected)
-        np.testing.assert_array_equal(w, saved)
+    for m in (200, 1100):
+        x = random_array(rng, (m, k), dtype)
+        for w in (parent[3:n + 3, 2:k + 2], parent[n - 1::-1, :k], parent[::2, 5:k + 5][:n]):
+            saved = w.copy()
+            packed, panel = pyattn._core.pack_weights(np.ascontiguousarray(w))
+            expected = np.empty((m, n), dtype)
+            pyattn._core.linear(x, packed, panel, n, None, expected, 2)
+            got = np.full((m, n), np.nan, dtype)
+            pyattn._core.linear(x, w, panel, n, None, got, 2)
+            np.testing.assert_array_equal(got, expected, err_msg=f"m={m}")
+            np.testing.assert_array_equal(w, saved)
 
 
 def test_linear_empty_inner_dimension(isa, dtype, rng):
