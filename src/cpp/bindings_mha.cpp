@@ -57,53 +57,6 @@ int64_t row_matrix(const char* name, const py::array& x, int64_t rows, int64_t c
 }
 
 template <class T>
-void linear_t(const py::array& x, const py::array& packed, int64_t panel, int64_t n, const py::object& bias_obj,
-              py::array& out, int num_threads) {
-  const KernelSet<T>& ks = active_set<T>();
-  if (x.ndim() != 2 || out.ndim() != 2) fail("x and out must be 2-D");
-  const int64_t m = x.shape(0), k = x.shape(1);
-  if (out.shape(0) != m || out.shape(1) != n) fail("out: shape must be (m, n)");
-  if (!packed.dtype().is(x.dtype()) || !out.dtype().is(x.dtype())) fail("packed and out must share x's dtype");
-  GemmArgs<T> g;
-  if (packed.ndim() == 2) {  // the (n, k) weight itself: the GEMM's tasks pack it as they go
-    g.w = static_cast<const T*>(packed.data());
-    g.w_stride = row_matrix<T>("packed", packed, n, k);
-  } else if (panel != ks.gemm_panel) {
-    fail("packed weight was packed for another ISA; pack it again");
-  } else if (packed.ndim() != 1 || packed.size() != packed_elems(n, k, panel) ||
-             !(packed.flags() & py::array::c_style)) {
-    fail("packed: size does not match (n, k)");
-  } else {
-    g.packed = static_cast<const T*>(packed.data());
-  }
-  check_aligned("x", x);
-  if (x.size() > 0 && k > 1 && x.strides(1) != py::ssize_t(sizeof(T))) fail("x: last axis must be contiguous");
-  if (!(out.flags() & py::array::c_style) || !out.writeable()) fail("out: must be C-contiguous and writeable");
-  g.a = static_cast<const T*>(x.data());
-  g.a_stride = m > 1 ? x.strides(0) / int64_t(sizeof(T)) : 0;
-  if (!bias_obj.is_none()) {
-    const py::array bias = py::reinterpret_borrow<py::array>(bias_obj);
-    if (!bias.dtype().is(x.dtype()) || bias.ndim() != 1 || bias.shape(0) != n || !(bias.flags() & py::array::c_style))
-      fail("bias: expected a contiguous 1-D array of n elements and x's dtype");
-    g.bias = static_cast<const T*>(bias.data());
-  }
-  g.c = static_cast<T*>(out.mutable_data());
-  g.c_stride = n;
-  g.m = m;
-  g.n = n;
-  g.k = k;
-  py::gil_scoped_release release;
-  linear<T>(g, num_threads);
-}
-
-void linear_py(const py::array& x, const py::array& packed, int64_t panel, int64_t n, const py::object& bias,
-               py::array out, int num_threads) {
-  if (is_float32(x)) return linear_t<float>(x, packed, panel, n, bias, out, num_threads);
-  if (is_float64(x)) return linear_t<double>(x, packed, panel, n, bias, out, num_threads);
-  fail("x: dtype must be float32 or float64");
-}
-
-template <class T>
 const T* packed_weight(const char* name, const py::array& p, int64_t n, int64_t k) {
   const int64_t panel = active_set<T>().gemm_panel;
   if (!p.dtype().is(py::dtype::of<T>()) || p.ndim() != 1 || !(p.flags() & py::array::c_style) ||
@@ -136,6 +89,42 @@ Projection<T> projection(const char* name, const py::object& weight, const char*
   }
   p.bias = optional_bias<T>(bias_name, bias, n);
   return p;
+}
+
+template <class T>
+void linear_t(const py::array& x, const py::array& packed, int64_t panel, int64_t n, const py::object& bias_obj,
+              py::array& out, int num_threads) {
+  const KernelSet<T>& ks = active_set<T>();
+  if (x.ndim() != 2 || out.ndim() != 2) fail("x and out must be 2-D");
+  const int64_t m = x.shape(0), k = x.shape(1);
+  if (out.shape(0) != m || out.shape(1) != n) fail("out: shape must be (m, n)");
+  if (!packed.dtype().is(x.dtype()) || !out.dtype().is(x.dtype())) fail("packed and out must share x's dtype");
+  if (packed.ndim() != 2 && panel != ks.gemm_panel) fail("packed weight was packed for another ISA; pack it again");
+  const Projection<T> p = projection<T>("packed", packed, "bias", bias_obj, n, k);  // packed, or W itself
+  GemmArgs<T> g;
+  g.packed = p.packed;
+  g.w = p.w;
+  g.w_stride = p.w_stride;
+  g.bias = p.bias;
+  check_aligned("x", x);
+  if (x.size() > 0 && k > 1 && x.strides(1) != py::ssize_t(sizeof(T))) fail("x: last axis must be contiguous");
+  if (!(out.flags() & py::array::c_style) || !out.writeable()) fail("out: must be C-contiguous and writeable");
+  g.a = static_cast<const T*>(x.data());
+  g.a_stride = m > 1 ? x.strides(0) / int64_t(sizeof(T)) : 0;
+  g.c = static_cast<T*>(out.mutable_data());
+  g.c_stride = n;
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  py::gil_scoped_release release;
+  linear<T>(g, num_threads);
+}
+
+void linear_py(const py::array& x, const py::array& packed, int64_t panel, int64_t n, const py::object& bias,
+               py::array out, int num_threads) {
+  if (is_float32(x)) return linear_t<float>(x, packed, panel, n, bias, out, num_threads);
+  if (is_float64(x)) return linear_t<double>(x, packed, panel, n, bias, out, num_threads);
+  fail("x: dtype must be float32 or float64");
 }
 
 // The layer's weights tuple (q, k, v, out projections, each packed or not, then their optional
