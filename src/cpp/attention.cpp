@@ -278,7 +278,7 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
   const int64_t items = tasks * split.count;
   // The split above depends on the shape only, so the thread count never changes the result.
   const double fmas = double(a.batch_heads) * double(a.q_len) * double(a.kv_len) * double(a.head_dim + a.value_dim);
-  const int threads = threads_for(fmas, int(std::max<int64_t>(1, std::min<int64_t>(num_threads, items))));
+  const int threads = threads_for(fmas, num_threads, items);
 
   const int64_t vdim_p = ks.decode_padded(a.value_dim);
   const AccLayout lay{vdim_p, 1};
@@ -402,7 +402,7 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
   // The work (every key for every query row; a causal call does about half) decides how many
   // threads are worth starting; the split above depends on the shape only.
   const double fmas = double(a.batch_heads) * double(a.q_len) * double(a.kv_len) * double(a.head_dim + a.value_dim);
-  const int threads = threads_for(fmas, int(std::max<int64_t>(1, std::min<int64_t>(threads_wanted, items))));
+  const int threads = threads_for(fmas, threads_wanted, items);
 
   const size_t st_elems = padded(size_t(key_block * block_rows), sizeof(T));
   // 16-bit K/V: one converted K block and one V block per thread (key_block of the narrowest tile,

@@ -8,7 +8,6 @@
 // the full K reduction, so results do not depend on the thread count.
 
 #include <algorithm>
-#include <vector>
 
 #include "attention.h"
 #include "parallel.h"
@@ -23,14 +22,8 @@ constexpr int64_t kTilesPerTask = 16;
 // E = 768 projection still makes 6 tasks.
 constexpr int64_t kShortPanelsPerTask = 8;
 
-// The calling thread's buffer for the panels linear()'s tasks pack (GemmArgs::w); it only grows, so
-// later calls reuse its memory (no page faults for fresh pages on every call).
-template <class T>
-T* pack_scratch(size_t elems) {
-  thread_local std::vector<T> buffer;
-  if (buffer.size() < elems) buffer.resize(elems);
-  return buffer.data();
-}
+// Tag of the calling thread's scratch for the panels linear()'s tasks pack (GemmArgs::w).
+struct PackScratch;
 
 }  // namespace
 
@@ -50,13 +43,13 @@ void linear(const GemmArgs<T>& g, int num_threads) {
   const int64_t group = g.m <= 2 ? kShortPanelsPerTask : 1;
   const int64_t groups = ceil_div(panels, group);
   const int64_t tasks = groups * row_blocks;
-  const int wanted = int(std::max<int64_t>(1, std::min<int64_t>(num_threads > 0 ? num_threads : default_num_threads(), tasks)));
-  const int threads = threads_for(double(g.m) * double(g.n) * double(g.k), wanted);
+  const int threads =
+      threads_for(double(g.m) * double(g.n) * double(g.k), num_threads > 0 ? num_threads : default_num_threads(), tasks);
   // W as given (not packed beforehand): each thread packs the panels of its task into its slice of
   // the calling thread's scratch (allocated here, before the parallel region, which no exception
   // may leave), at most `group` panels of k x panel: L2-sized for the k of a layer.
   const size_t per_thread = g.packed ? 0 : size_t(group * g.k * ks.gemm_panel);
-  T* const scratch = g.packed ? nullptr : pack_scratch<T>(std::max<size_t>(1, per_thread * size_t(threads)));
+  T* const scratch = g.packed ? nullptr : grow_only_scratch<PackScratch, T>(std::max<size_t>(1, per_thread * size_t(threads)));
   auto body = [&](int64_t t) {
     const int64_t rb = t / groups, p0 = t % groups * group, p1 = std::min(panels, p0 + group);
     const int64_t r0 = rb * rows_per_task, r1 = std::min(g.m, r0 + rows_per_task);

@@ -26,15 +26,9 @@
 namespace pyattn {
 namespace {
 
-// The layer's intermediate matrices, written in full by their producer. They live in a
-// per-calling-thread workspace that only grows, so a layer called again and again does not pay page
-// faults for fresh megabytes on every call (and concurrent callers never share one).
-template <class T>
-T* workspace(size_t elems) {
-  thread_local std::vector<T> buffer;
-  if (buffer.size() < elems) buffer.resize(elems);
-  return buffer.data();
-}
+// Tag of the calling thread's workspace for the layer's intermediate matrices (each written in full
+// by its producer; parallel.h, grow_only_scratch).
+struct LayerWorkspace;
 
 // The layer's intermediates, carved from the workspace: Q and the attention's output `context`
 // (q_rows, q_width), K and V (kv_rows, kv_width).
@@ -46,7 +40,7 @@ struct LayerBuffers {
 template <class T>
 LayerBuffers<T> layer_buffers(int64_t q_rows, int64_t q_width, int64_t kv_rows, int64_t kv_width) {
   const size_t q_size = size_t(q_rows * q_width), kv_size = size_t(kv_rows * kv_width);
-  T* const q = workspace<T>(2 * q_size + 2 * kv_size);
+  T* const q = grow_only_scratch<LayerWorkspace, T>(2 * q_size + 2 * kv_size);
   return {q, q + q_size, q + q_size + kv_size, q + q_size + 2 * kv_size};
 }
 

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <vector>
 
 #if defined(PYATTN_OPENMP)
 #include <omp.h>
@@ -21,10 +22,24 @@ namespace pyattn {
 // 25-33 us per step against 18-19 on one thread (Zen 3).
 constexpr double kFmasPerThread = 65536;
 
-// Threads worth starting for `fmas` multiply-adds of work: at most `wanted`, at least 1.
-inline int threads_for(double fmas, int wanted) {
+// Threads worth starting for `fmas` multiply-adds of work split into `items` work items: at most
+// `wanted` and at most one per item, at least 1.
+inline int threads_for(double fmas, int wanted, int64_t items) {
+  const int cap = items < int64_t(wanted) ? int(items) : wanted;
+  if (cap <= 1) return 1;
   const double worth = fmas / kFmasPerThread;
-  return worth >= double(wanted) ? wanted : (worth < 2 ? 1 : int(worth));
+  return worth >= double(cap) ? cap : (worth < 2 ? 1 : int(worth));
+}
+
+// The calling thread's buffer of at least `elems` elements, one per Tag: it only grows, so a
+// caller that runs again and again reuses its memory instead of paying page faults for fresh
+// megabytes on every call, and concurrent callers (Python threads) never share one. Allocated by
+// the calling thread before a parallel region, which no exception may leave.
+template <class Tag, class T>
+T* grow_only_scratch(size_t elems) {
+  thread_local std::vector<T> buffer;
+  if (buffer.size() < elems) buffer.resize(elems);
+  return buffer.data();
 }
 
 // The calling thread's index in the current team (0 outside a parallel region).
