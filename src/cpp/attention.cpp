@@ -422,8 +422,9 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
   // B = 64, L = 64 one thread 66 -> 82 GFLOP/s, two 115 -> 138-155; B = 32, L = 128 82 -> 91 and
   // 138 -> 158-175. Not where the arrays stay cached between calls (B = 8, L = 64: 6% slower), nor
   // where an item's rows would take more than half of L2 (they would evict the current item's).
-  // "Cached" is half of the last-level cache: the L3 is shared with other cores (on a cloud VM with
-  // other tenants), and a call's arrays must survive there next to the caller's data. Measured on a
+  // "Cached" is half of the last-level cache on AMD (an eighth on Intel, below): the L3 is shared
+  // with other cores (on a cloud VM with other tenants), and a call's arrays must survive there next
+  // to the caller's data. Measured on a
   // 2-vCPU Zen 4 VM with a 32 MiB L3 (q, k, v and out together, B x 12 x L x 64; one / two
   // threads): at 4.5-9 MiB the arrays stayed cached (prefetching 3-17% slower); at 18 MiB (B = 48,
   // L = 32) prefetching was 1.52x / 1.56x faster, at 24 MiB (B = 64, L = 32) 1.3-1.9x over three
@@ -435,9 +436,14 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
   // x 128 x 64, two threads, off / on alternating in one process, medians of 15 rounds: 1.6 MiB
   // 0.93x, 3.1 MiB 0.97x, 6.3 MiB 1.03x, 9.4 MiB 1.15x, 12.6 MiB 1.13x (one thread 1.21x), 15.7
   // MiB 1.15x; 12 x 12 x 64 x 64, 9.4 MiB, 1.14x). 16 L2s leave Zen 4's threshold where it was.
-  // Intel keeps half the LLC (a Sapphire Rapids-class Xeon with 2 MiB L2s and a 480 MiB L3
-  // measured 0.94x at 50 MiB, 1.12x at 100 MiB).
-  const int64_t cached_bytes = cpu_is_amd() && l2 > 0 ? std::min(llc / 2, 16 * l2) : llc / 2;
+  // On Intel the threshold is an eighth of the LLC, from two Sapphire Rapids-class Xeon VMs with
+  // 2 MiB L2s (same B x 12 x 128 x 64 calls and method, 11-21 rounds): with a 480 MiB L3, 0.94x at
+  // 48 MiB and 1.12x at 96 MiB; with a 105 MiB L3 (whose streaming read falls from 37 to 20 GB/s
+  // between 24 and 48 MiB: the guest's share of the L3 is far below what CPUID reports), 0.94-0.96x
+  // at 1.5-6 MiB, 1.04x at 9 MiB, 1.00-1.08x at 12 MiB, 1.09x at 18, 1.13x at 24, 1.12x at 48. Half
+  // the LLC, the rule before 2026-12-03, left the 48 MiB call of the second host without; an eighth
+  // (60 and 13 MiB) sorts every clear case of both hosts, and gives up the second's 9-12 MiB.
+  const int64_t cached_bytes = cpu_is_amd() && l2 > 0 ? std::min(llc / 2, 16 * l2) : llc / 8;
   const int64_t item_bytes = block_rows * (a.head_dim + a.value_dim) * int64_t(sizeof(T)) +
                              std::min(a.kv_len, split.chunk) * kv_row_bytes;
   const int64_t call_bytes = a.batch_heads * a.q_len * (a.head_dim + a.value_dim) * int64_t(sizeof(T)) +
