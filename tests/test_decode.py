@@ -800,6 +800,21 @@ def test_half_sdpa_matches_reference(isa, rng, name, q_len, case):
     assert_half_close(got, expected, name)
 
 
+@pytest.mark.parametrize("name", HALF_NAMES)
+def test_reference_takes_half_float_masks(rng, name):
+    """The reference reads a float16/bfloat16 float mask as the values it holds (-inf forbids, the rest
+    is added), as pyattn does: the same as its float64 widening, for pyattn and the reference alike.
+    (ml_dtypes' bfloat16 has NumPy kind 'V', which the reference once refused.)"""
+    dtype = np_dtype(name)
+    q, k, v = make_qkv(rng, dtype, q_heads=2, q_len=5, kv_len=9, head_dim=8, guard=False)
+    mask = random_mask(rng, (2, 5, 9), "float", dtype)
+    mask[..., 0] = 0.0  # key 0 allowed: no fully masked row
+    assert np.isneginf(f64(mask)).any() and (np.isfinite(f64(mask)) & (f64(mask) != 0)).any()
+    expected = reference.scaled_dot_product_attention(f64(q), f64(k), f64(v), f64(mask))
+    np.testing.assert_array_equal(reference.scaled_dot_product_attention(q, k, v, mask), expected)
+    assert_half_close(sdpa(q, k, v, mask), expected, name)
+
+
 @pytest.mark.parametrize("head_dim", [1, 7, 8, 16, 17, 33, 64, 128])
 @pytest.mark.parametrize("name", HALF_NAMES)
 def test_half_sdpa_head_dims(isa, rng, name, head_dim):

@@ -199,8 +199,9 @@ def scaled_dot_product_attention(
     query : ndarray, shape (..., Hq, L, E)
     key : ndarray, shape (..., Hk, S, E)
     value : ndarray, shape (..., Hk, S, Ev)
-        float32 or float64, all the same dtype. Leading batch dimensions broadcast against each
-        other. 2-D inputs (L, E) are one head; 3-D inputs are (heads, L, E). Any strides are read
+        float32, float64, float16 or bfloat16 (ml_dtypes), all the same dtype; 16-bit inputs are
+        computed in float32 and the result returned in their dtype. Leading batch dimensions
+        broadcast against each other. 2-D inputs (L, E) are one head; 3-D inputs are (heads, L, E). Any strides are read
         in place; an input whose last axis is not contiguous is copied first.
     attn_mask : ndarray, optional
         Broadcastable to (..., Hq, L, S). Boolean: True means the query may attend to the key

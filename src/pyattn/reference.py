@@ -19,6 +19,12 @@ import numpy as np
 __all__ = ["mha", "scaled_dot_product_attention"]
 
 
+def _is_float_mask(mask):
+    """A floating mask: NumPy's float kinds, or ml_dtypes' bfloat16 (whose kind NumPy reports as 'V')."""
+    dtype = np.asarray(mask).dtype
+    return dtype.kind == "f" or dtype.name == "bfloat16"
+
+
 def _allowed_keys(mask, is_causal, q_len, kv_len):
     """Boolean array broadcastable to (..., L, S): True where a query may attend a key."""
     allowed = np.ones((q_len, kv_len), dtype=bool)
@@ -38,8 +44,8 @@ def _allowed_keys(mask, is_causal, q_len, kv_len):
         mask = np.asarray(mask)
         if mask.dtype == np.bool_:
             allowed = allowed & mask
-        elif mask.dtype.kind == "f":
-            allowed = allowed & (mask != -np.inf)
+        elif _is_float_mask(mask):
+            allowed = allowed & (mask.astype(np.float64) != -np.inf)
         else:
             raise TypeError(f"attn_mask must be bool or floating, got {mask.dtype}")
     return allowed
@@ -87,7 +93,7 @@ def scaled_dot_product_attention(
     allowed = _allowed_keys(attn_mask, is_causal, q_len, kv_len)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         scores = (q @ np.swapaxes(k, -1, -2)) * scale
-        if attn_mask is not None and np.asarray(attn_mask).dtype.kind == "f":
+        if attn_mask is not None and _is_float_mask(attn_mask):
             # -inf entries are forbidden (and excluded below); other values are added.
             scores = scores + np.where(allowed, np.asarray(attn_mask, dtype=np.float64), 0.0)
         allowed = np.broadcast_to(allowed, np.broadcast_shapes(allowed.shape, scores.shape))
