@@ -109,8 +109,10 @@ class Timing:
 
 
 def _samples(fn: Callable[[], Any], min_time: float, min_runs: int, max_runs: int, warmup: int,
-             settle: float) -> tuple[list[float], Any]:
-    """Timed calls of fn (see time_call): the samples in seconds and the last call's result."""
+             settle: float, before: Callable[[], Any] | None = None) -> tuple[list[float], Any]:
+    """Timed calls of fn (see time_call): the samples in seconds and the last call's result. `before`,
+    if given, is called (untimed) before every timed call; its time counts towards min_time, so that
+    a slow `before` does not multiply the number of runs."""
     time.sleep(settle)
     result = None
     for _ in range(warmup):
@@ -121,6 +123,10 @@ def _samples(fn: Callable[[], Any], min_time: float, min_runs: int, max_runs: in
     gc.disable()
     try:
         while len(samples) < max_runs and (len(samples) < min_runs or total < min_time):
+            if before is not None:
+                t_before = time.perf_counter()
+                before()
+                total += time.perf_counter() - t_before
             t0 = time.perf_counter()
             result = fn()
             dt = time.perf_counter() - t0
@@ -163,6 +169,7 @@ def time_interleaved(
     settle: float = 0.1,
     contexts: dict[str, Callable[[], Any]] | None = None,
     raise_errors: bool = False,
+    before: dict[str, Callable[[], Any]] | None = None,
 ) -> dict[str, tuple[Timing, Any] | Exception]:
     """Time several callables in `rounds` alternating blocks: a, b, c, a, b, c, ... Each block is one
     callable's calls back to back (as in time_call: two libraries' OpenMP threads spinning at once
@@ -171,7 +178,9 @@ def time_interleaved(
     them alike instead of on whichever happened to run then; the ratios of the medians of the pooled
     samples are what the tables report. min_time and min_runs are totals over the rounds; warm-up
     calls are made in the first round only. `contexts` optionally maps a name to a context manager
-    factory entered around that callable's blocks (e.g. a BLAS thread limit). A callable that raises
+    factory entered around that callable's blocks (e.g. a BLAS thread limit); `before` optionally maps
+    a name to a callable called, untimed, before each timed call of that one (see _samples; e.g.
+    evicting the caches with the library's own threads). A callable that raises
     is reported as its exception and not called again, or, with raise_errors, the exception
     propagates."""
     pooled: dict[str, list[float]] = {name: [] for name in fns}
@@ -186,7 +195,8 @@ def time_interleaved(
             try:
                 with ctx() if ctx else contextlib.nullcontext():
                     samples, results[name] = _samples(
-                        fn, min_time / rounds, -(-min_runs // rounds), 10_000, warmup if r == 0 else 0, settle
+                        fn, min_time / rounds, -(-min_runs // rounds), 10_000, warmup if r == 0 else 0, settle,
+                        before.get(name) if before else None
                     )
             except Exception as exc:  # noqa: BLE001  (reported to the caller, which decides)
                 if raise_errors:

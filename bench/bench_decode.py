@@ -7,6 +7,7 @@ Run (from the repository root, with pyattn installed in the interpreter's enviro
     python bench/bench_decode.py --quick         # smoke, < 30 s
     python bench/bench_decode.py --threads 1 --markdown --json decode.json
     python bench/bench_decode.py --new-tokens 8    # 8 query tokens per step (speculative decoding)
+    python bench/bench_decode.py --cold            # caches evicted before every timed call
 
 Shapes: B=1 with 32 query heads, 8 (GQA) or 32 (MHA) key/value heads, head_dim 128, and cache
 lengths S = 1k, 4k, 16k, 64k; plus B=8 at S=4k. Cache storage float32, float16 and bfloat16.
@@ -20,6 +21,17 @@ appended chunk is N tokens (S - N pre-filled) and q is (B, 32, N, 128): a step o
 decoding or a short prefill chunk, lower-right causal (new token i sees the S - N cached keys and
 new tokens 0..i). attend() does not modify the
 cache, so every repetition reads exactly the same S keys and values.
+
+Warm or cold: by default the calls repeat back to back, so K and V that fit in the last-level cache
+(a few MiB to ~100 MiB, depending on the CPU) are read from it, not from memory, from the second call
+on. In a model, the step of one layer comes after the steps of all the others, whose K/V caches and
+weights have passed through the CPU caches in between: this layer's K/V come from memory. With
+``--cold`` every timed call (pyattn's and torch's alike) is preceded, untimed, by one pass of the same
+library's threads over a buffer of twice the last-level cache plus every core's L2, at least 256 MiB
+(pyattn: ``_core.read_buffers_gbs(..., repeats=1)``; torch: ``Tensor.sum``), which evicts them (the
+practice of GPU benchmarks such as ``triton.testing.do_bench``, which clears the L2 before each run).
+Each library evicts with its own threads, so that no other thread pool is still spinning when its
+call starts.
 
 Peers (each library timed in its own blocks, with a pause before each block: two OpenMP runtimes
 spin-waiting side by side interfere on a machine with few cores; torch and every cache dtype take
@@ -195,6 +207,20 @@ def kv_read_gbs(pyattn, cache, threads) -> float:
     return float(pyattn._core.read_buffers_gbs([cache.keys().view(np.uint8), cache.values().view(np.uint8)], threads))
 
 
+def evictors(pyattn, args, names) -> dict | None:
+    """With --cold: per timed callable, the untimed pass over args.flush that precedes each of its
+    calls, made with that library's own threads (see the module docstring)."""
+    if args.flush is None:
+        return None
+    import torch
+
+    flush_t = torch.from_numpy(args.flush.view(np.float32))
+    out = {"torch": lambda: float(flush_t.sum())}
+    for name in names:
+        out[name] = lambda: pyattn._core.read_buffers_gbs([args.flush], args.threads, repeats=1)
+    return out
+
+
 def case_rows(pyattn, case: Case, args, bandwidth) -> list[dict]:
     """All rows of one shape: pyattn per cache dtype and torch (float32 cache) timed in alternating
     blocks (time_interleaved), the reference if small."""
@@ -215,7 +241,7 @@ def case_rows(pyattn, case: Case, args, bandwidth) -> list[dict]:
     for name, cache in caches.items():
         fns[name] = lambda c=cache: c.attend(q, num_threads=args.threads)
     timed = time_interleaved(fns, rounds=args.rounds, min_time=args.min_time, min_runs=args.min_runs,
-                             warmup=WARMUP, settle=PAUSE, raise_errors=True)
+                             warmup=WARMUP, settle=PAUSE, raise_errors=True, before=evictors(pyattn, args, caches))
     t_torch, torch_out = timed["torch"]
     torch_out = torch_out.numpy()
 
@@ -236,6 +262,7 @@ def case_rows(pyattn, case: Case, args, bandwidth) -> list[dict]:
             "head_dim": HEAD_DIM,
             "kv_len": case.kv_len,
             "new_tokens": args.new_tokens,
+            "cold": args.flush is not None,
             "cache_dtype": name,
             "kv_bytes": nbytes,
             "pyattn_ms": ms,
@@ -380,6 +407,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--dtypes", default=",".join(CACHE_DTYPES), help="comma-separated cache dtypes (default: %(default)s)"
     )
     parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="evict the CPU caches before every timed call (a layer's step in a many-layer model: its K/V "
+        "come from memory); default: calls back to back, K/V that fit stay in the last-level cache",
+    )
+    parser.add_argument(
         "--new-tokens",
         type=int,
         default=1,
@@ -461,6 +494,11 @@ def print_header(info: dict) -> None:
         f"D = Dv = {HEAD_DIM}); timed call = cache.attend(q) after pre-filling S-{n} tokens and appending {n}"
         + (" (lower-right causal)" if n > 1 else "")
     )
+    if info["cold"]:
+        print(f"--cold: before every timed call (untimed) the library's own threads read "
+              f"{info['flush_bytes'] / 2**20:.0f} MiB (2 x (last-level cache + every core's L2), >= 256 MiB), evicting K/V")
+    else:
+        print("warm: calls back to back; K/V that fit in the last-level cache are read from it (--cold: from memory)")
     print("ms = median after warm-up; GB/s = K+V bytes stored for S tokens / ms; %bw = of the read bandwidth above;"
           " read = streaming read of this row's own K and V arrays (GB/s); %rd = GB/s / read")
     print(
@@ -492,6 +530,14 @@ def main(argv=None) -> int:
             args.dtypes.remove("bfloat16")
     cases = args.cases
 
+    args.flush = None
+    if args.cold:
+        rt = pyattn.runtime_info()
+        llc = rt.get("l3_cache_bytes") or 0
+        l2 = rt.get("l2_cache_bytes") or 0
+        nbytes = max(2 * (llc + (os.cpu_count() or 1) * l2), 256 << 20) if llc else 512 << 20
+        args.flush = np.ones(nbytes, np.uint8)  # written, so backed by pages before any timing
+
     busy = wait_for_idle(args.wait_idle)
     bandwidth, bandwidth_bg = measure_bandwidth(pyattn, args)
     info = {
@@ -516,6 +562,8 @@ def main(argv=None) -> int:
         "num_heads": NUM_HEADS,
         "head_dim": HEAD_DIM,
         "new_tokens": args.new_tokens,
+        "cold": args.cold,
+        "flush_bytes": None if args.flush is None else args.flush.nbytes,
     }
     print_header(info)
 

@@ -351,6 +351,14 @@ def test_read_buffers_every_length(isa, nbytes):
     gbs = pyattn._core.read_buffers_gbs([buf, parent[:3]], 2)
     assert np.isfinite(gbs) and gbs >= 0
     np.testing.assert_array_equal(buf, before)
+    once = pyattn._core.read_buffers_gbs([buf], 1, repeats=1)
+    assert np.isfinite(once) and once >= 0
+    np.testing.assert_array_equal(buf, before)
+
+
+def test_read_buffers_rejects_no_passes():
+    with pytest.raises(ValueError, match="repeats"):
+        pyattn._core.read_buffers_gbs([np.zeros(64, np.uint8)], 1, repeats=0)
 
 
 def test_show_config_prints(capsys):

@@ -427,10 +427,10 @@ void convert_half(const uint16_t* src, float* dst, int64_t n, int num_threads, b
 void convert_half(const float* src, uint16_t* dst, int64_t n, int num_threads, bool bfloat16 = false);
 
 // machine.cpp: the ceilings the benchmarks quote. GFLOP/s of the active ISA's FMA loop on
-// num_threads threads for `seconds`; GB/s of reading a fresh nbytes buffer; GB/s of reading every
-// byte of the given buffers once (best of 5).
+// num_threads threads for `seconds`; GB/s of reading a fresh nbytes buffer (best of 5 passes); GB/s
+// of reading every byte of the given buffers once (best of `repeats` passes).
 double fma_peak_gflops(int num_threads, double seconds);
 double read_bandwidth_gbs(int num_threads, int64_t nbytes);
-double read_buffers_gbs(const std::vector<std::pair<const void*, int64_t>>& buffers, int num_threads);
+double read_buffers_gbs(const std::vector<std::pair<const void*, int64_t>>& buffers, int num_threads, int repeats);
 
 }  // namespace pyattn

@@ -448,7 +448,8 @@ PYBIND11_MODULE(_core, m) {
       py::arg("num_threads"), py::arg("nbytes") = int64_t(1) << 30, "Streaming read bandwidth, GB/s (best of 5).");
   m.def(
       "read_buffers_gbs",
-      [](const py::list& arrays, int threads) {
+      [](const py::list& arrays, int threads, int repeats) {
+        if (repeats < 1) throw py::value_error("repeats must be at least 1");
         std::vector<py::buffer_info> infos;
         std::vector<std::pair<const void*, int64_t>> spans;
         for (const auto& item : arrays) {
@@ -463,10 +464,11 @@ PYBIND11_MODULE(_core, m) {
           spans.emplace_back(b.ptr, int64_t(b.size) * b.itemsize);
         }
         py::gil_scoped_release release;
-        return read_buffers_gbs(spans, threads);
+        return read_buffers_gbs(spans, threads, repeats);
       },
-      py::arg("arrays"), py::arg("num_threads"),
-      "GB/s of reading these C-contiguous arrays once, each split across num_threads threads (best of 5).");
+      py::arg("arrays"), py::arg("num_threads"), py::arg("repeats") = 5,
+      "GB/s of reading these C-contiguous arrays once, each split across num_threads threads (best of\n"
+      "`repeats` passes; bench_decode --cold uses one pass over a large buffer to evict the caches).");
   m.attr("DECODE_MAX_Q_LEN") = pyattn::kDecodeMaxLen;
 #if defined(PYATTN_VERSION)
   m.attr("__version__") = PYATTN_VERSION;

@@ -93,14 +93,14 @@ volatile uint64_t g_read_sink = 0;  // keeps the XOR reductions observable
 
 }  // namespace
 
-double read_buffers_gbs(const std::vector<std::pair<const void*, int64_t>>& buffers, int num_threads) {
+double read_buffers_gbs(const std::vector<std::pair<const void*, int64_t>>& buffers, int num_threads, int repeats) {
   using clock = std::chrono::steady_clock;
   const int threads = std::max(1, num_threads);
   const KernelTable& kt = active_kernels();
   int64_t total = 0;
   for (const auto& b : buffers) total += b.second;
   double best = 0;
-  for (int rep = 0; rep < 5; ++rep) {
+  for (int rep = 0; rep < std::max(1, repeats); ++rep) {
     std::vector<uint64_t> x(size_t(threads), 0);
     const auto t0 = clock::now();
     parallel_for(threads, threads, [&](int64_t c) {
@@ -131,7 +131,7 @@ double read_bandwidth_gbs(int num_threads, int64_t nbytes) {
     const auto part = thread_part(n, threads, c);
     if (part.second > part.first) std::memset(data + part.first, 1, size_t(part.second - part.first));
   });
-  return read_buffers_gbs({{data, n}}, threads);
+  return read_buffers_gbs({{data, n}}, threads, 5);
 }
 
 }  // namespace pyattn

@@ -167,5 +167,6 @@ def fma_peak_gflops(num_threads: int, seconds: float = 0.5) -> float:
 def read_bandwidth_gbs(num_threads: int, nbytes: int = 1073741824) -> float:
     """Streaming read bandwidth, GB/s (best of 5)."""
 
-def read_buffers_gbs(arrays: Sequence[npt.NDArray[Any]], num_threads: int) -> float:
-    """GB/s of reading these C-contiguous arrays once, each split across num_threads threads (best of 5)."""
+def read_buffers_gbs(arrays: Sequence[npt.NDArray[Any]], num_threads: int, repeats: int = 5) -> float:
+    """GB/s of reading these C-contiguous arrays once, each split across num_threads threads (best of
+    `repeats` passes; bench_decode --cold uses one pass over a large buffer to evict the caches)."""
