@@ -463,9 +463,30 @@ def fmt(value: float | None, spec: str) -> str:
     return format(value, spec)
 
 
-def finish_run(info: dict, json_path: str | None, results, summary: str) -> None:
-    """End of every bench script: warn when other processes loaded the machine during the run,
-    and save machine info + results as JSON when asked (`summary` says what was saved)."""
+# Every bench row carries pyattn's max abs error against a float64 computation (or a peer), on
+# inputs of N(0, 1) scale whose outputs are O(1): correct results measure 1e-8 to 1e-5 (the README's
+# tables). An error above this bound is not an accuracy question but a wrong answer (a lost mask, a
+# wrong head, garbage memory), so the script then exits with status 1 (finish_run) and a smoke run of
+# the benchmarks (.ci/run) fails on it instead of printing a fast wrong number.
+WRONG_ANSWER_ERR = 1e-3
+
+
+def wrong_answers(results) -> list[str]:
+    """Rows (of a list, or a dict of lists) whose max_abs_err is above WRONG_ANSWER_ERR or NaN."""
+    rows = [r for group in results.values() for r in group] if isinstance(results, dict) else list(results)
+    bad = []
+    for r in rows:
+        err = r.get("max_abs_err")
+        if err is not None and not err <= WRONG_ANSWER_ERR:  # NaN fails too
+            label = " ".join(str(r[k]) for k in ("case", "variant", "cache_dtype", "layer") if r.get(k) is not None)
+            bad.append(f"{label or r}: max err {err:.3g}")
+    return bad
+
+
+def finish_run(info: dict, json_path: str | None, results, summary: str) -> int:
+    """End of every bench script: warn when other processes loaded the machine during the run, save
+    machine info + results as JSON when asked (`summary` says what was saved), and return the exit
+    status: 1 when a row's result was wrong (wrong_answers), else 0."""
     busy_after = busy_cpus()
     info["busy_cpus_after"] = busy_after
     if busy_after is not None and busy_after > BUSY_WARN_CPUS:
@@ -474,4 +495,7 @@ def finish_run(info: dict, json_path: str | None, results, summary: str) -> None
         with open(json_path, "w", encoding="utf-8") as f:
             json.dump({"machine": info, "results": results}, f, indent=1)
         print(f"\nsaved {summary} to {json_path}")
-
+    bad = wrong_answers(results)
+    for line in bad:
+        print(f"ERROR: wrong result (max abs error above {WRONG_ANSWER_ERR:g}): {line}", file=sys.stderr)
+    return 1 if bad else 0

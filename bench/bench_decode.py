@@ -577,8 +577,7 @@ def main(argv=None) -> int:
     if args.markdown:
         print()
         print(TABLE.markdown())
-    finish_run(info, args.json, results, f"{len(results)} rows")
-    return 0
+    return finish_run(info, args.json, results, f"{len(results)} rows")
 
 
 if __name__ == "__main__":

@@ -754,9 +754,8 @@ def main(argv=None) -> int:
                     fresh.add(cells(row))
                 print(f"\n{title}\n")
                 print(fresh.markdown())
-    finish_run(info, args.json, results,
-               f"{len(results['layer'])} layer, {len(results['gemm'])} GEMM and {len(results['decode'])} decode rows")
-    return 0
+    return finish_run(info, args.json, results,
+                      f"{len(results['layer'])} layer, {len(results['gemm'])} GEMM and {len(results['decode'])} decode rows")
 
 
 if __name__ == "__main__":

@@ -725,8 +725,7 @@ def main(argv=None) -> int:
     if args.markdown:
         print()
         print(table.markdown())
-    finish_run(info, args.json, rows, f"{len(rows)} rows")
-    return 0
+    return finish_run(info, args.json, rows, f"{len(rows)} rows")
 
 
 if __name__ == "__main__":
