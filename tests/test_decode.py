@@ -652,6 +652,73 @@ def test_reset_truncate_trim(rng):
     assert cache.keys().shape == (3, 2, 0, 4)
 
 
+@pytest.mark.parametrize("left", [False, True])
+def test_truncate_keeps_the_chunk_queries_positions(isa, rng, left):
+    """attend() after truncate/trim: the last chunk's queries keep their positions. trim(0) changes
+    nothing (it used to forget the chunk, making its queries see every key, their own future
+    included); a cut into the chunk leaves its remaining queries attending as before, over the keys
+    that remain."""
+    cache = pyattn.KVCache(2, 2, 8, 16)
+    cache.append(kv(rng, 2, 2, 6, 8), kv(rng, 2, 2, 6, 8))
+    k, v = kv(rng, 2, 2, 4, 8), kv(rng, 2, 2, 4, 8)
+    cache.append(k, v, num_new=np.array([4, 3]), left_padded=left)  # row 1: one padding token
+    q = random_array(rng, (2, 4, 4, 8), np.float32)
+    before = cache.attend(q)
+    cache.trim(0)
+    np.testing.assert_array_equal(cache.attend(q), before)
+    cache.trim(np.array([2, 1]))  # row 0 keeps 2 of its 4 new tokens, row 1 2 of 3
+    out = cache.attend(q)
+    for b, (n_old, n_new) in enumerate([(4, 2), (3, 2)]):
+        first = 4 - n_old if left else 0  # the chunk index of the row's first real token
+        rows = slice(first, first + n_new)
+        expected = sdpa(q[b][:, rows], cache.keys(b), cache.values(b), is_causal="lower_right", enable_gqa=True)
+        np.testing.assert_array_equal(out[b][:, rows], expected)
+    # The keys cut were in those queries' future: they attend as before the cut.
+    for b, n_old in enumerate([4, 3]):
+        first = 4 - n_old if left else 0
+        rows = slice(first, first + 2)
+        np.testing.assert_allclose(out[b][:, rows], before[b][:, rows], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("call, name, exc", [
+    (lambda c: c.trim(np.zeros(3, np.int64)), "count", ValueError),
+    (lambda c: c.trim(1.5), "count", TypeError),
+    (lambda c: c.truncate(None), "length", TypeError),
+    (lambda c: c.truncate("abc"), "length", TypeError),
+    (lambda c: c.truncate(2.7), "length", TypeError),
+    (lambda c: c.truncate(True), "length", TypeError),
+    (lambda c: c.keys(2), "row", ValueError),
+    (lambda c: c.values(-3), "row", ValueError),
+    (lambda c: c.keys(1.0), "row", TypeError),
+    (lambda c: c.attend(np.zeros((2, 2, 1, 4), np.float32), scale="0.5"), "scale", TypeError),
+    (lambda c: c.attend(np.zeros((2, 2, 1, 4), np.float32), scale=True), "scale", TypeError),
+    (lambda c: c.attend(np.zeros((2, 2, 1, 4), np.float32), scale=1j), "scale", TypeError),
+    (lambda c: pyattn.KVCache(1, 1, 4, 8, dtype="float8"), "dtype", TypeError),
+    (lambda c: pyattn.KVCache(1, 1, 4, 8, dtype=None), "dtype", TypeError),
+])
+def test_cache_arguments_named_in_errors(rng, call, name, exc):
+    """Bad arguments to the cache's methods raise the error policy's ValueError/TypeError naming the
+    argument, and change nothing (found by tests/fuzz_cache.py)."""
+    cache = pyattn.KVCache(2, 1, 4, 8)
+    cache.append(kv(rng, 2, 1, 1, 4), kv(rng, 2, 1, 1, 4))
+    with pytest.raises(exc, match=name):
+        call(cache)
+    assert cache.lengths.tolist() == [1, 1] and cache._last_new.tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("bad", [[-1, 1], [1, 9]])
+def test_attend_and_views_name_lengths_edited_out_of_range(rng, bad):
+    cache = pyattn.KVCache(2, 1, 4, 8)
+    cache.append(kv(rng, 2, 1, 1, 4), kv(rng, 2, 1, 1, 4))
+    cache.lengths[:] = bad
+    with pytest.raises(ValueError, match="lengths"):
+        cache.attend(np.zeros((2, 2, 1, 4), np.float32))
+    with pytest.raises(ValueError, match="lengths"):
+        cache.keys(0)
+    with pytest.raises(ValueError, match="lengths"):
+        cache.trim(1)
+
+
 def test_reset_and_trim_then_decode_like_fresh(isa, rng):
     """Decoding after reset() equals a fresh cache; after trimming rejected (speculative) tokens it
     equals a cache that never saw them."""

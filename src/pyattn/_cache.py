@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from . import _core
-from ._api import _HALF_STORAGE, _threads_value
+from ._api import _HALF_STORAGE, _scale_value, _threads_value
 
 
 def _storage_dtype(dtype):
@@ -28,7 +28,12 @@ def _storage_dtype(dtype):
         except ImportError:  # pragma: no cover - depends on the environment
             raise TypeError("dtype: bfloat16 needs the ml_dtypes package (pip install ml_dtypes)") from None
         return np.dtype(ml_dtypes.bfloat16)
-    dtype = np.dtype(dtype)
+    if dtype is None:  # np.dtype(None) is float64, which None would not suggest
+        raise TypeError("dtype: must be float32, float64, float16 or bfloat16, got None")
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype: must be float32, float64, float16 or bfloat16, got {dtype!r}") from None
     if dtype.name not in ("float32", "float64", "float16", "bfloat16"):
         raise TypeError(f"dtype: must be float32, float64, float16 or bfloat16, got {dtype}")
     return dtype
@@ -59,6 +64,19 @@ def _positive_int(value, name, minimum=1):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
     return int(value)
+
+
+def _per_row(value, name, batch):
+    """An int, or one int per batch row, as (batch,) int64; TypeError/ValueError naming `name`."""
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "iu" or arr.dtype == np.bool_:
+        raise TypeError(f"{name}: expected an int or {batch} ints, got {value!r}")
+    if arr.shape not in ((), (batch,)):
+        raise ValueError(f"{name}: expected an int or {batch} ints (one per batch row), got shape {arr.shape}")
+    arr = np.broadcast_to(arr.astype(np.int64), (batch,))
+    if (arr < 0).any():
+        raise ValueError(f"{name}: must be >= 0, got {arr.tolist()}")
+    return arr
 
 
 class KVCache:
@@ -97,10 +115,12 @@ class KVCache:
         self._k_core = self._k.view(np.uint16) if self._half else self._k
         self._v_core = self._v.view(np.uint16) if self._half else self._v
         self.lengths = np.zeros(self.batch, np.int64)
-        # What the last append added: per-row count and where the valid tokens sat in the chunk.
+        # What the last append added: per-row count, whether the real tokens were the chunk's last
+        # ones, and the chunk index of each row's first real token (0 with right padding).
         self._last_new = np.zeros(self.batch, np.int64)
         self._last_chunk = 0
         self._last_left = False
+        self._last_first = np.zeros(self.batch, np.int64)
         self._offsets = {}  # attend()'s kernel offsets per (num_heads, chunk, storage, query strides)
         self._attend_key = None
         self._attend_state = None
@@ -170,35 +190,51 @@ class KVCache:
         """Records an append whose K/V rows are in the storage (by append, or by the core's layer step)."""
         self.lengths = end
         self._last_new, self._last_chunk, self._last_left = counts, chunk, bool(left_padded)
+        self._last_first = np.asarray(chunk - counts if left_padded else np.zeros(self.batch), dtype=np.int64)
 
     def reset(self):
         """Empty every row (storage is kept)."""
         self.lengths[:] = 0
         self._last_new[:] = 0
         self._last_chunk = 0
+        self._last_first[:] = 0
 
     def truncate(self, length):
-        """Keep at most `length` tokens per row (an int, or one per row)."""
-        length = np.broadcast_to(np.asarray(length, dtype=np.int64), (self.batch,))
-        if (length < 0).any():
-            raise ValueError(f"length: must be >= 0, got {length.tolist()}")
-        self.lengths = np.minimum(self.lengths, length)
-        self._last_new[:] = 0
+        """Keep at most `length` tokens per row (an int, or one per row).
+
+        The last appended chunk's queries keep their positions (attend()): a cut that removes nothing
+        changes nothing, and the chunk's tokens that were cut no longer count as new."""
+        length = _per_row(length, "length", self.batch)
+        before = self._checked_lengths()
+        self.lengths = np.minimum(before, length)
+        self._last_new = np.maximum(self._last_new - (before - self.lengths), 0)
 
     def trim(self, count):
-        """Drop the last `count` tokens of every row (an int, or one per row)."""
-        count = np.broadcast_to(np.asarray(count, dtype=np.int64), (self.batch,))
-        if (count < 0).any():
-            raise ValueError(f"count: must be >= 0, got {count.tolist()}")
-        self.truncate(np.maximum(self.lengths - count, 0))
+        """Drop the last `count` tokens of every row (an int, or one per row); see truncate()."""
+        count = _per_row(count, "count", self.batch)
+        self.truncate(np.maximum(self._checked_lengths() - count, 0))
+
+    def _checked_lengths(self):
+        """The lengths as (batch,) int64 within [0, max_len]; ValueError naming `lengths` when they
+        were edited in place to anything else."""
+        lengths = np.asarray(self.lengths)
+        if lengths.shape != (self.batch,) or lengths.dtype.kind not in "iu" or (lengths < 0).any() or \
+                (lengths > self.max_len).any():
+            raise ValueError(f"lengths: expected {self.batch} lengths in [0, {self.max_len}], got {self.lengths!r}")
+        return lengths.astype(np.int64)
 
     # -- views --------------------------------------------------------------------------------------
     def _filled(self, storage, row):
+        lengths = self._checked_lengths()
         if row is not None:
-            return storage[row, :, : int(self.lengths[row])]
-        if (self.lengths != self.lengths[0]).any():
-            raise ValueError(f"rows have different lengths {self.lengths.tolist()}: pass a batch row")
-        return storage[:, :, : int(self.lengths[0])]
+            if isinstance(row, (bool, np.bool_)) or not isinstance(row, (int, np.integer)):
+                raise TypeError(f"row: expected an int batch row, got {row!r}")
+            if not -self.batch <= row < self.batch:
+                raise ValueError(f"row: expected a batch row in [0, {self.batch}), got {row}")
+            return storage[row, :, : int(lengths[row])]
+        if (lengths != lengths[0]).any():
+            raise ValueError(f"row: rows have different lengths {lengths.tolist()}: pass a batch row")
+        return storage[:, :, : int(lengths[0])]
 
     def keys(self, row=None):
         """View of the filled keys: (num_kv_heads, length, head_dim) of one row, or all rows
@@ -216,11 +252,11 @@ class KVCache:
         append, so a decode loop computes them once per append (the NumPy work was ~3 us of every
         attend); the key is exactly what they are computed from, so any change is seen, lengths
         edited in place included."""
-        key = (self.lengths.tobytes(), self._last_new.tobytes(), self._last_chunk, self._last_left)
+        key = (np.asarray(self.lengths).tobytes(), self._last_new.tobytes(), self._last_first.tobytes(),
+               self._last_chunk)
         if key != self._attend_key:
-            lengths = np.array(self.lengths, dtype=np.int64)  # a copy: the state must not change under it
-            first = self._last_chunk - self._last_new if self._last_left else np.zeros(self.batch, np.int64)
-            causal_offsets = np.ascontiguousarray(lengths - self._last_new - first, dtype=np.int64)
+            lengths = np.array(self._checked_lengths())  # a copy: the state must not change under it
+            causal_offsets = np.ascontiguousarray(lengths - self._last_new - self._last_first, dtype=np.int64)
             # The core sees the filled part only (kv_len = the longest row, not max_len): its work
             # split depends on kv_len, and chunks past every row's length would be empty work items.
             self._attend_state = (int(lengths.max()), lengths, causal_offsets)
@@ -231,9 +267,11 @@ class KVCache:
         """Attention of the last appended chunk's queries over each row's cached keys.
 
         query : (batch, num_heads, chunk, head_dim), num_heads a multiple of num_kv_heads (grouped-
-        query attention). Query i of row b is at position lengths[b] - num_new[b] + i (right
-        padding) and sees keys up to there (lower-right causal alignment); padding query rows of
-        a shorter row produce values that should be ignored. Returns (batch, num_heads, chunk,
+        query attention). Query i of row b is at position lengths[b] - num_new[b] - first[b] + i,
+        with first[b] = 0 (right padding) or chunk - num_new[b] of that append (left padding), and
+        sees keys up to there (lower-right causal alignment); padding query rows of a shorter row
+        produce values that should be ignored. truncate()/trim() take the chunk's tokens they cut
+        off num_new[b], so the queries keep their positions. Returns (batch, num_heads, chunk,
         value_dim) in float32 for 16-bit caches, else the cache dtype.
         """
         q = np.asarray(query)
@@ -269,9 +307,7 @@ class KVCache:
             offsets = np.ascontiguousarray(np.stack([q_off, k_off, v_off, np.zeros_like(q_off)]), dtype=np.int64)
             self._offsets[key] = offsets
         out = np.empty((self.batch, num_heads, chunk, self.value_dim), compute)
-        scale_value = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
-        if not math.isfinite(scale_value):
-            raise ValueError(f"scale: must be finite, got {scale_value}")
+        scale_value = _scale_value(scale, self.head_dim)
         # Positional arguments: keyword matching cost ~1 us per call.
         _core.sdpa(
             q, k, v, None, out, None, offsets,
