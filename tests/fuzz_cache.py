@@ -50,16 +50,12 @@ from hypothesis import strategies as st
 import pyattn
 from pyattn import reference
 
-try:  # the one tolerance table of the suite
-    from conftest import TOL
+try:  # the one tolerance table of the suite, and what the two fuzzers share
+    import fuzz_api
 except ImportError:  # pragma: no cover - run from elsewhere
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from conftest import TOL
-
-try:
-    import ml_dtypes
-except ImportError:  # pragma: no cover - optional
-    ml_dtypes = None
+    import fuzz_api
+from fuzz_api import TOL, _np_dtype, ml_dtypes
 
 # K/V that a layer step projects and stores, against the float64 projection: the storage's rounding
 # (half an ulp: 2^-11 relative for float16, 2^-8 for bfloat16; twice that here) on top of the float32
@@ -83,12 +79,6 @@ THREADS = (None, None, 1, 2, 3, np.int64(2))
 RAGGED = ("no", "no", "array", "list")  # num_new: none, an int64 array, a list
 MAX_ELEMENTS = 400_000  # K+V storage elements per cache: a bitwise check after every operation stays cheap
 MAX_EMBED = 384  # layers: embed_dim = num_heads * head_dim at most this
-
-
-def _np_dtype(name):
-    if name == "bfloat16":
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
 
 
 def _f64(x):
@@ -987,15 +977,7 @@ def check(program: Program):
 
 
 def coverage_report(counter=None):
-    counter = COVERAGE if counter is None else counter
-    groups = collections.defaultdict(list)
-    for tag, n in counter.items():
-        groups[tag.split(":", 1)[0]].append((tag.split(":", 1)[-1], n))
-    lines = []
-    for group in sorted(groups):
-        items = ", ".join(f"{name}={n}" for name, n in sorted(groups[group], key=lambda t: -t[1]))
-        lines.append(f"  {group}: {items}")
-    return "\n".join(lines)
+    return fuzz_api.coverage_report(COVERAGE if counter is None else counter)
 
 
 # --- long runs --------------------------------------------------------------------------------------------
