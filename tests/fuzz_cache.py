@@ -364,13 +364,15 @@ class Runner:
                 counts[b] = 0
         return counts
 
-    def _padded(self, shape, counts, chunk, left, pad_nan, dtype, magnitude=1.0, axis=2):
-        """Random values; padding tokens (outside each row's counts) NaN when pad_nan."""
+    def _padded(self, shape, counts, chunk, left, pad_nan, dtype, magnitude=1.0, axis=2, firsts=None):
+        """Random values; padding tokens (outside each row's counts: the last ones when left, else the
+        first ones, or from firsts[b] on when given) NaN when pad_nan."""
         x = self._values(shape, dtype, magnitude)
         if pad_nan and counts is not None:
             for b, n in enumerate(counts):
                 real = np.zeros(chunk, bool)
-                real[(chunk - n if left else 0):(chunk if left else n)] = True
+                start = int(firsts[b]) if firsts is not None else (chunk - n if left else 0)
+                real[start:start + n] = True
                 index = [b] + [slice(None)] * (x.ndim - 1)
                 index[axis] = ~real
                 x[tuple(index)] = np.nan
@@ -459,7 +461,8 @@ class Runner:
         shape = (self.batch, heads, m.last_chunk, self.d)
         real = np.array([m.real_rows(b).stop - m.real_rows(b).start for b in range(self.batch)])
         nan_pad = pad_nan and (real < m.last_chunk).any()
-        q = self._padded(shape, real if nan_pad else None, m.last_chunk, m.last_left, nan_pad, q_dtype)
+        q = self._padded(shape, real if nan_pad else None, m.last_chunk, m.last_left, nan_pad, q_dtype,
+                         firsts=m.last_first)
         query = _layout(q, layout)
         kwargs = {}
         if scale is not None:
