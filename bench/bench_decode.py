@@ -215,10 +215,11 @@ def evictors(pyattn, args, names) -> dict | None:
     import torch
 
     flush_t = torch.from_numpy(args.flush.view(np.float32))
-    out = {"torch": lambda: float(flush_t.sum())}
-    for name in names:
-        out[name] = lambda: pyattn._core.read_buffers_gbs([args.flush], args.threads, repeats=1)
-    return out
+
+    def by_pyattn():
+        pyattn._core.read_buffers_gbs([args.flush], args.threads, repeats=1)
+
+    return {"torch": lambda: float(flush_t.sum()), **dict.fromkeys(names, by_pyattn)}
 
 
 def case_rows(pyattn, case: Case, args, bandwidth) -> list[dict]:

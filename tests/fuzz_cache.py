@@ -143,7 +143,7 @@ def _cache_state(cache):
     (attend() reads it). Private attributes on purpose: 'changes nothing' includes the storage past
     each row's length and the causal state."""
     return (_bits(cache.lengths), _bits(cache._k), _bits(cache._v), _bits(cache._last_new),
-            _bits(cache._last_first), int(cache._last_chunk), bool(cache._last_left))
+            _bits(cache._last_first), int(cache._last_chunk))
 
 
 # --- programs (the strategy) ------------------------------------------------------------------------

@@ -28,15 +28,13 @@ def _storage_dtype(dtype):
         except ImportError:  # pragma: no cover - depends on the environment
             raise TypeError("dtype: bfloat16 needs the ml_dtypes package (pip install ml_dtypes)") from None
         return np.dtype(ml_dtypes.bfloat16)
-    if dtype is None:  # np.dtype(None) is float64, which None would not suggest
-        raise TypeError("dtype: must be float32, float64, float16 or bfloat16, got None")
-    try:
-        dtype = np.dtype(dtype)
+    try:  # None too: np.dtype(None) is float64, which None would not suggest
+        parsed = None if dtype is None else np.dtype(dtype)
     except TypeError:
-        raise TypeError(f"dtype: must be float32, float64, float16 or bfloat16, got {dtype!r}") from None
-    if dtype.name not in ("float32", "float64", "float16", "bfloat16"):
-        raise TypeError(f"dtype: must be float32, float64, float16 or bfloat16, got {dtype}")
-    return dtype
+        parsed = None
+    if parsed is None or parsed.name not in ("float32", "float64", "float16", "bfloat16"):
+        raise TypeError(f"dtype: must be float32, float64, float16 or bfloat16, got {dtype!r}")
+    return parsed
 
 
 # Where the storage starts relative to a 64-byte boundary, by element size (measured, one thread, 32
@@ -69,7 +67,7 @@ def _positive_int(value, name, minimum=1):
 def _per_row(value, name, batch):
     """An int, or one int per batch row, as (batch,) int64; TypeError/ValueError naming `name`."""
     arr = np.asarray(value)
-    if arr.dtype.kind not in "iu" or arr.dtype == np.bool_:
+    if arr.dtype.kind not in "iu":  # bool is kind "b"
         raise TypeError(f"{name}: expected an int or {batch} ints, got {value!r}")
     if arr.shape not in ((), (batch,)):
         raise ValueError(f"{name}: expected an int or {batch} ints (one per batch row), got shape {arr.shape}")
@@ -115,11 +113,10 @@ class KVCache:
         self._k_core = self._k.view(np.uint16) if self._half else self._k
         self._v_core = self._v.view(np.uint16) if self._half else self._v
         self.lengths = np.zeros(self.batch, np.int64)
-        # What the last append added: per-row count, whether the real tokens were the chunk's last
-        # ones, and the chunk index of each row's first real token (0 with right padding).
+        # What the last append added: per-row count, the chunk length, and the chunk index of each
+        # row's first real token (0 with right padding, chunk - count with left padding).
         self._last_new = np.zeros(self.batch, np.int64)
         self._last_chunk = 0
-        self._last_left = False
         self._last_first = np.zeros(self.batch, np.int64)
         self._offsets = {}  # attend()'s kernel offsets per (num_heads, chunk, storage, query strides)
         self._attend_key = None
@@ -176,8 +173,7 @@ class KVCache:
             counts = counts.astype(np.int64)
             if (counts < 0).any() or (counts > chunk).any():
                 raise ValueError(f"num_new: entries must lie in [0, {chunk}], got {counts.tolist()}")
-        if before.shape != (self.batch,) or (before < 0).any() or (before > self.max_len).any():
-            raise ValueError(f"lengths: expected {self.batch} lengths in [0, {self.max_len}], got {self.lengths!r}")
+        before = self._checked_lengths()
         end = before + counts
         if (end > self.max_len).any():
             b = int(np.argmax(end > self.max_len))
@@ -189,7 +185,7 @@ class KVCache:
     def _commit_append(self, counts, end, chunk, left_padded):
         """Records an append whose K/V rows are in the storage (by append, or by the core's layer step)."""
         self.lengths = end
-        self._last_new, self._last_chunk, self._last_left = counts, chunk, bool(left_padded)
+        self._last_new, self._last_chunk = counts, chunk
         self._last_first = np.asarray(chunk - counts if left_padded else np.zeros(self.batch), dtype=np.int64)
 
     def reset(self):
@@ -206,13 +202,17 @@ class KVCache:
         changes nothing, and the chunk's tokens that were cut no longer count as new."""
         length = _per_row(length, "length", self.batch)
         before = self._checked_lengths()
-        self.lengths = np.minimum(before, length)
-        self._last_new = np.maximum(self._last_new - (before - self.lengths), 0)
+        self._cut(before, np.minimum(before, length))
 
     def trim(self, count):
         """Drop the last `count` tokens of every row (an int, or one per row); see truncate()."""
         count = _per_row(count, "count", self.batch)
-        self.truncate(np.maximum(self._checked_lengths() - count, 0))
+        before = self._checked_lengths()
+        self._cut(before, np.maximum(before - count, 0))
+
+    def _cut(self, before, after):
+        self.lengths = after
+        self._last_new = np.maximum(self._last_new - (before - after), 0)
 
     def _checked_lengths(self):
         """The lengths as (batch,) int64 within [0, max_len]; ValueError naming `lengths` when they
@@ -230,7 +230,7 @@ class KVCache:
             if isinstance(row, (bool, np.bool_)) or not isinstance(row, (int, np.integer)):
                 raise TypeError(f"row: expected an int batch row, got {row!r}")
             if not -self.batch <= row < self.batch:
-                raise ValueError(f"row: expected a batch row in [0, {self.batch}), got {row}")
+                raise ValueError(f"row: expected a batch row in [-{self.batch}, {self.batch}), got {row}")
             return storage[row, :, : int(lengths[row])]
         if (lengths != lengths[0]).any():
             raise ValueError(f"row: rows have different lengths {lengths.tolist()}: pass a batch row")
@@ -255,7 +255,7 @@ class KVCache:
         key = (np.asarray(self.lengths).tobytes(), self._last_new.tobytes(), self._last_first.tobytes(),
                self._last_chunk)
         if key != self._attend_key:
-            lengths = np.array(self._checked_lengths())  # a copy: the state must not change under it
+            lengths = self._checked_lengths()  # a copy: the state must not change under it
             causal_offsets = np.ascontiguousarray(lengths - self._last_new - self._last_first, dtype=np.int64)
             # The core sees the filled part only (kv_len = the longest row, not max_len): its work
             # split depends on kv_len, and chunks past every row's length would be empty work items.
