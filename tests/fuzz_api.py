@@ -539,25 +539,32 @@ def coverage_report(counter=None):
 # --- long runs ------------------------------------------------------------------------------------
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def long_run(doc, batch, strategy, check, argv=None, what="fuzzing"):
+    """The long-run CLI of both fuzzers (this one and tests/fuzz_cache.py): parses --minutes and
+    --batch (default `batch`) from argv, then runs check on examples of strategy, --batch per
+    hypothesis run, until the minutes are up. Returns (runs, seconds); raises, with the reproducing
+    example, on the first failure."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=5.0, help="how long to fuzz (default 5)")
-    parser.add_argument("--batch", type=int, default=500, help="examples per hypothesis run")
+    parser.add_argument("--batch", type=int, default=batch, help="examples per hypothesis run")
     args = parser.parse_args(argv)
 
-    deadline = time.monotonic() + 60 * args.minutes
+    start = time.monotonic()
+    deadline = start + 60 * args.minutes
     runs = 0
-    print(f"pyattn {pyattn.__version__}, ISAs {pyattn.available_isas()}, fuzzing for {args.minutes} min")
-
-    @settings(max_examples=args.batch, deadline=None, print_blob=True,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(cases())
-    def fuzz(case):
-        check(case)
-
+    print(f"pyattn {pyattn.__version__}, ISAs {pyattn.available_isas()}, {what} for {args.minutes} min")
+    # check itself is the test: hypothesis keys its example database by the test's source, so each
+    # fuzzer replays its own saved failures.
+    fuzz = settings(max_examples=args.batch, deadline=None, print_blob=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])(given(strategy)(check))
     while time.monotonic() < deadline:
-        fuzz()  # raises (with the reproducing example) on the first failure
+        fuzz()
         runs += 1
+    return runs, time.monotonic() - start
+
+
+def main(argv=None):
+    runs, _ = long_run(__doc__, 500, cases(), check, argv)
     total = sum(n for tag, n in COVERAGE.items() if tag.startswith("outcome:"))
     print(f"{total} calls in {runs} runs, no failure. Coverage:")
     print(coverage_report())

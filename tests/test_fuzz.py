@@ -4,7 +4,8 @@ result, and fail only with the ValueError/TypeError the error policy prescribes.
 
 test_sdpa_fuzz: scaled_dot_product_attention; strategy and oracle in tests/fuzz_api.py.
 test_cache_fuzz: incremental decoding (KVCache, mha/MultiHeadAttention with kv_cache=), random
-sequences of operations against a NumPy model of the cache; strategy and oracle in tests/fuzz_cache.py.
+sequences of operations against a NumPy model of the cache; strategy and runner in tests/fuzz_cache.py,
+model and oracle in tests/fuzz_cache_model.py, mistakes in tests/fuzz_cache_mistakes.py.
 
 Both also run for longer as release checks (`python tests/fuzz_api.py --minutes 10`,
 `python tests/fuzz_cache.py --minutes 10`). Here the example counts are bounded so each test stays
