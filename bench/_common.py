@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: MIT
 """Small helpers shared by the pyattn benchmark scripts.
 
-Nothing here knows about attention: importing pyattn, the machine ceilings it measures, adaptive
-timing, machine description, environment warnings and table printing (plain text streamed row by
-row, or Markdown at the end).
+Importing pyattn, the machine ceilings it measures, adaptive timing, machine description,
+environment warnings and table printing (plain text streamed row by row, or Markdown at the end),
+and the one piece of attention the scripts share: numpy_attention, their float32 NumPy peer.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 # OpenBLAS tuning variables that, when set on this machine, slow NumPy's BLAS; benches never change
 # them, they only warn (unset them in the command: `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE`).
@@ -49,6 +51,43 @@ def import_pyattn(isa: str | None, prog: str):
         except ValueError as exc:
             sys.exit(f"{prog}: --isa {isa}: {exc}")
     return pyattn
+
+
+NUMPY_CHUNK_SCORES = 1 << 22  # numpy_attention materialises at most this many float32 scores at once
+
+
+def numpy_attention(q, k, v, allowed, scale):
+    """Float32 NumPy attention, the benches' NumPy peer: scores by matmul, masked softmax in place,
+    matmul with V, then the division by the softmax sums (on the (.., L, Dv) output, cheaper than on
+    the (.., L, S) weights).
+
+    q (B, H, L, D); k, v (B, Hkv, S, D/Dv) with H a multiple of Hkv (grouped-query attention: query
+    head h uses key/value head h // (H / Hkv), as torch's enable_gqa). q is viewed as (B, Hkv,
+    group * L, D), so each K/V head serves its whole group in one batched matmul and is read once.
+    `allowed` is None or a bool (L, S) mask (True = may attend; no row may be fully masked).
+    (batch, K/V head) pairs are processed in chunks of at most NUMPY_CHUNK_SCORES scores, so memory
+    stays bounded on long rows (bench_decode's one-token steps, up to 64k keys, are one chunk).
+    """
+    b, h, q_len, d = q.shape
+    hkv, kv_len, ev = k.shape[1], k.shape[2], v.shape[3]
+    rows = h // hkv * q_len  # query rows per K/V head
+    qf = (q * np.float32(scale)).reshape(b * hkv, rows, d)
+    kt = k.reshape(b * hkv, kv_len, d).transpose(0, 2, 1)
+    vf = v.reshape(b * hkv, kv_len, ev)
+    out = np.empty((b * hkv, rows, ev), dtype=np.float32)
+    forbidden = None if allowed is None else np.tile(~allowed, (h // hkv, 1))  # (rows, S): group-major like qf
+    step = max(1, NUMPY_CHUNK_SCORES // (rows * kv_len))
+    for g0 in range(0, b * hkv, step):
+        g = slice(g0, min(g0 + step, b * hkv))
+        scores = np.matmul(qf[g], kt[g])
+        if forbidden is not None:
+            np.copyto(scores, -np.inf, where=forbidden)
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        denom = scores.sum(axis=-1, keepdims=True)
+        np.matmul(scores, vf[g], out=out[g])
+        out[g] /= denom
+    return out.reshape(b, h, q_len, ev)
 
 
 # Environment variables that keep PyTorch to one x86 instruction set: ATen's own vectorised kernels,
@@ -207,6 +246,19 @@ def time_interleaved(
     return {name: failed[name] if name in failed else (Timing.of(pooled[name]), results[name]) for name in fns}
 
 
+def peer_timing(name: str, timing: Timing | None, pyattn_timing: Timing, per_call: int = 1) -> dict:
+    """A peer's row entries: <name>_ms (median; per step when a timed call makes per_call steps),
+    <name>_runs and <name>_vs_pyattn (peer median / pyattn median), all None when the peer did not
+    run (timing None: an optional peer that is not installed)."""
+    if timing is None:
+        return dict.fromkeys((f"{name}_ms", f"{name}_runs", f"{name}_vs_pyattn"))
+    return {
+        f"{name}_ms": timing.median / per_call * 1e3,
+        f"{name}_runs": timing.runs,
+        f"{name}_vs_pyattn": timing.median / pyattn_timing.median,
+    }
+
+
 ROUNDS_DEFAULT = 3  # alternating timing blocks per library and row (time_interleaved); 1 with --quick
 
 
@@ -294,8 +346,6 @@ def cpu_model() -> str:
 
 def numpy_blas_name() -> str:
     """'name version' of the BLAS NumPy was built with, as numpy.show_config reports it."""
-    import numpy as np
-
     try:
         blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
         return f"{blas.get('name', '?')} {blas.get('version', '')}".strip()

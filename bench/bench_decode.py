@@ -1,13 +1,18 @@
 # SPDX-License-Identifier: MIT
 """Benchmark one decode step: attention of a single new token over a KV cache (pyattn.KVCache).
 
-Run (from the repository root, with pyattn installed in the interpreter's environment)::
+Run (from the repository root, with pyattn installed in the interpreter's environment; torch is
+optional)::
 
     python bench/bench_decode.py                 # full suite (a few minutes, ~6 GiB of memory at 64k)
     python bench/bench_decode.py --quick         # smoke, < 30 s
     python bench/bench_decode.py --threads 1 --markdown --json decode.json
     python bench/bench_decode.py --new-tokens 8    # 8 query tokens per step (speculative decoding)
     python bench/bench_decode.py --cold            # caches evicted before every timed call
+
+OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE, when set, slow NumPy's BLAS (the numpy peer); the script never
+changes them, it prints a warning: unset them in the command (``env -u OPENBLAS_CORETYPE -u
+OPENBLAS_L2_SIZE python bench/bench_decode.py``).
 
 Shapes: B=1 with 32 query heads, 8 (GQA) or 32 (MHA) key/value heads, head_dim 128, and cache
 lengths S = 1k, 4k, 16k, 64k; plus B=8 at S=4k. Cache storage float32, float16 and bfloat16.
@@ -26,23 +31,32 @@ Warm or cold: by default the calls repeat back to back, so K and V that fit in t
 (a few MiB to ~100 MiB, depending on the CPU) are read from it, not from memory, from the second call
 on. In a model, the step of one layer comes after the steps of all the others, whose K/V caches and
 weights have passed through the CPU caches in between: this layer's K/V come from memory. With
-``--cold`` every timed call (pyattn's and torch's alike) is preceded, untimed, by one pass of the same
+``--cold`` every timed call (every library's alike) is preceded, untimed, by one pass of the same
 library's threads over a buffer of twice the last-level cache plus every core's L2, at least 256 MiB
 (pyattn: ``_core.read_buffers_gbs(..., repeats=1)``; torch: ``Tensor.sum``), which evicts them (the
 practice of GPU benchmarks such as ``triton.testing.do_bench``, which clears the L2 before each run).
 Each library evicts with its own threads, so that no other thread pool is still spinning when its
-call starts.
+call starts. NumPy is the exception: it has no threads of its own to read a buffer with (its
+reductions run on one thread; its BLAS pool runs only inside BLAS calls), so the numpy peer's calls
+are preceded by pyattn's pass.
 
 Peers (each library timed in its own blocks, with a pause before each block: two OpenMP runtimes
-spin-waiting side by side interfere on a machine with few cores; torch and every cache dtype take
-turns in --rounds alternating blocks per shape, samples pooled, so that a slow spell of the machine
-hits all of them alike):
+spin-waiting side by side interfere on a machine with few cores; the peers and every cache dtype
+take turns in --rounds alternating blocks per shape, samples pooled, so that a slow spell of the
+machine hits all of them alike). Both peers read the float32 cache and are timed once per shape, in
+float32: the 16-bit rows compare pyattn's 16-bit cache against those same float32 times.
 
-* torch: ``torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)`` (with
+* numpy (always): ``_common.numpy_attention``, float32 NumPy on the float32 cache's own memory
+  (``cache.keys()``/``values()``, contiguous views): q viewed as (B, Hkv, group * N, 128) so that
+  each K/V head serves its group of query heads in one batched matmul, scores = q K^T * scale, the
+  lower-right causal mask when N > 1 (built outside the timed call), max-subtracted exp, matmul
+  with V, division by the sums. Its BLAS threads are limited to T through threadpoolctl when
+  installed (else the header says how many it uses);
+* torch (when installed; its columns show "-" otherwise):
+  ``torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)`` (with
   ``attn_mask=torch.nn.attention.bias.causal_lower_right(N, S)`` when N > 1) under
   ``torch.inference_mode()`` and ``torch.set_num_threads(T)``, on the float32 cache's own memory
-  (``torch.from_numpy(cache.keys())``, no copy). torch is timed once per shape, in float32: the
-  16-bit rows compare pyattn's 16-bit cache against that same float32 torch time;
+  (``torch.from_numpy(cache.keys())``, no copy);
 * ref: ``pyattn.reference.scaled_dot_product_attention`` (float64 NumPy) on the cache's stored values
   (already rounded for 16-bit caches), only where B*S <= 4096: it is the error yardstick, and its time
   is shown for scale, not as a tuned peer.
@@ -56,8 +70,12 @@ this row's own K and V arrays (``pyattn._core.read_buffers_gbs([K, V], T)``, sam
 just before and just after the row, the higher of the two): the ceiling for exactly these pages, which also reflects whether the OS backed
 them (and the 1 GiB buffer) with transparent huge pages, worth up to 2x on some machines; %rd =
 GB/s / read, the fraction of that ceiling the decode step reaches. max err = max |pyattn - ref| where the
-reference runs, else (float32 rows only) max |pyattn - torch|; column "vs" says which.
-torch x = torch ms / pyattn ms (> 1: pyattn is faster); vs f32 = pyattn float32-cache ms / this row's
+reference runs, else (float32 rows only) max |pyattn - torch|, or max |pyattn - numpy| without torch
+(a float32 peer: it measures agreement, ~1e-7, and still exposes a wrong answer); column "vs" says
+which, and a row above 1e-3 or NaN makes the script exit with status 1. The JSON rows also hold
+each peer's own error against the reference (torch_max_abs_err, numpy_max_abs_err) where it runs.
+numpy ms, torch ms = the peers' medians; numpy x, torch x = peer ms / pyattn ms (> 1: pyattn is
+faster); vs f32 = pyattn float32-cache ms / this row's
 ms (the speedup of 16-bit storage at the same length); bg = CPUs other processes kept busy while
 the shape ran (rows with bg > 0.2 are noisy; ``--wait-idle SECONDS`` waits for idle CPUs before each
 shape and redoes disturbed ones).
@@ -76,9 +94,11 @@ import numpy as np
 
 from _common import (
     BUSY_WARN_CPUS,
+    ENVIRONMENT_HELP,
     BackgroundLoad,
     Column,
     Table,
+    blas_thread_limiter,
     cpu_model,
     fmt,
     fmt_ms,
@@ -86,6 +106,10 @@ from _common import (
     limit_peer_isa,
     print_peer_isa,
     now_iso,
+    numpy_attention,
+    numpy_blas_name,
+    openblas_env_warnings,
+    peer_timing,
     add_common_arguments,
     resolve_common_arguments,
     TimingDefaults,
@@ -194,6 +218,16 @@ def torch_step(q, cache):
     return run
 
 
+def numpy_step(q, cache):
+    """_common.numpy_attention on the float32 cache's memory, as a callable; the lower-right causal
+    mask (query i sees keys j <= S - N + i) is built here, outside the timing, when q has N > 1 tokens."""
+    keys, values = cache.keys(), cache.values()
+    n, s = q.shape[2], keys.shape[2]
+    allowed = np.arange(s)[None, :] <= np.arange(n)[:, None] + (s - n) if n > 1 else None
+    scale = 1.0 / np.sqrt(HEAD_DIM)
+    return lambda: numpy_attention(q, keys, values, allowed, scale)
+
+
 def time_reference(pyattn, q, cache, timing):
     """The float64 reference on the cache's stored K/V (float64 copies made outside the timing)."""
     keys, values = cache.keys().astype(np.float64), cache.values().astype(np.float64)
@@ -209,24 +243,26 @@ def kv_read_gbs(pyattn, cache, threads) -> float:
 
 def evictors(pyattn, args, names) -> dict | None:
     """With --cold: per timed callable, the untimed pass over args.flush that precedes each of its
-    calls, made with that library's own threads (see the module docstring)."""
+    calls, made with that library's own threads; pyattn's for the numpy peer, NumPy having none to
+    read a buffer with (see the module docstring)."""
     if args.flush is None:
         return None
-    import torch
-
-    flush_t = torch.from_numpy(args.flush.view(np.float32))
 
     def by_pyattn():
         pyattn._core.read_buffers_gbs([args.flush], args.threads, repeats=1)
 
-    return {"torch": lambda: float(flush_t.sum()), **dict.fromkeys(names, by_pyattn)}
+    before = dict.fromkeys(names, by_pyattn)
+    if "torch" in before:
+        import torch
+
+        flush_t = torch.from_numpy(args.flush.view(np.float32))
+        before["torch"] = lambda: float(flush_t.sum())
+    return before
 
 
 def case_rows(pyattn, case: Case, args, bandwidth) -> list[dict]:
-    """All rows of one shape: pyattn per cache dtype and torch (float32 cache) timed in alternating
-    blocks (time_interleaved), the reference if small."""
-    import torch
-
+    """All rows of one shape: pyattn per cache dtype and the peers (float32 cache: numpy, torch when
+    installed) timed in alternating blocks (time_interleaved), the reference if small."""
     rng = np.random.default_rng(args.seed)
     q = rng.standard_normal((case.batch, NUM_HEADS, args.new_tokens, HEAD_DIM), dtype=np.float32)
     t0 = time.perf_counter()
@@ -236,15 +272,24 @@ def case_rows(pyattn, case: Case, args, bandwidth) -> list[dict]:
               for name in args.dtypes}
     read_before = {name: kv_read_gbs(pyattn, c, args.threads) for name, c in caches.items()}
 
-    # torch on the float32 cache's memory (max_len == S, so keys()/values() are contiguous views).
-    torch.set_num_threads(args.threads)
-    fns = {"torch": torch_step(q, f32)}
+    # The peers on the float32 cache's memory (max_len == S, so keys()/values() are contiguous views).
+    fns = {}
+    if args.torch:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        fns["torch"] = torch_step(q, f32)
+    fns["numpy"] = numpy_step(q, f32)
     for name, cache in caches.items():
         fns[name] = lambda c=cache: c.attend(q, num_threads=args.threads)
     timed = time_interleaved(fns, rounds=args.rounds, min_time=args.min_time, min_runs=args.min_runs,
-                             warmup=WARMUP, settle=PAUSE, raise_errors=True, before=evictors(pyattn, args, caches))
-    t_torch, torch_out = timed["torch"]
-    torch_out = torch_out.numpy()
+                             warmup=WARMUP, settle=PAUSE, contexts={"numpy": args.blas_limit}, raise_errors=True,
+                             before=evictors(pyattn, args, fns))
+    t_numpy, numpy_out = timed["numpy"]
+    t_torch, torch_out = timed["torch"] if args.torch else (None, None)
+    torch_out = None if torch_out is None else torch_out.numpy()
+    # Without a float64 reference (large shapes), the float32 row is checked against a float32 peer.
+    peer_name, peer_out = ("torch", torch_out) if args.torch else ("numpy", numpy_out)
 
     rows = []
     f32_ms = None
@@ -273,15 +318,16 @@ def case_rows(pyattn, case: Case, args, bandwidth) -> list[dict]:
             "pct_read_bw": 100 * gbs / bandwidth if bandwidth else None,
             "own_read_gbs": read_gbs,
             "pct_own_read": 100 * gbs / read_gbs,
-            "torch_ms": t_torch.median * 1e3,
-            "torch_runs": t_torch.runs,
-            "torch_gbs": case.kv_bytes(4) / t_torch.median / 1e9,
-            "torch_vs_pyattn": t_torch.median / t_pyattn.median,
+            **peer_timing("torch", t_torch, t_pyattn),
+            "torch_gbs": None if t_torch is None else case.kv_bytes(4) / t_torch.median / 1e9,
+            **peer_timing("numpy", t_numpy, t_pyattn),
+            "numpy_gbs": case.kv_bytes(4) / t_numpy.median / 1e9,
             "vs_f32_cache": None,
             "reference_ms": None,
             "max_abs_err": None,
             "err_vs": None,
             "torch_max_abs_err": None,
+            "numpy_max_abs_err": None,
             "fill_s": fill_s,
         }
         if name == "float32":
@@ -294,9 +340,10 @@ def case_rows(pyattn, case: Case, args, bandwidth) -> list[dict]:
             row["reference_ms"] = t_ref.median * 1e3
             row["max_abs_err"], row["err_vs"] = max_abs_diff(out, ref), "ref"
             if name == "float32":
-                row["torch_max_abs_err"] = max_abs_diff(torch_out, ref)
+                row["torch_max_abs_err"] = None if torch_out is None else max_abs_diff(torch_out, ref)
+                row["numpy_max_abs_err"] = max_abs_diff(numpy_out, ref)
         elif name == "float32":
-            row["max_abs_err"], row["err_vs"] = max_abs_diff(out, torch_out), "torch"
+            row["max_abs_err"], row["err_vs"] = max_abs_diff(out, peer_out), peer_name
         rows.append(row)
     return rows
 
@@ -346,6 +393,8 @@ TABLE = Table(
         Column("%rd", 4),
         Column("max err", 7),
         Column("vs", 5, right=False),
+        Column("numpy ms", 8),
+        Column("numpy x", 7),
         Column("torch ms", 8),
         Column("torch x", 7),
         Column("vs f32", 6),
@@ -367,6 +416,8 @@ def cells(row: dict) -> list[str]:
         fmt(row["pct_own_read"], ".0f"),
         fmt(row["max_abs_err"], ".1e"),
         row["err_vs"] or "-",
+        fmt_ms(row["numpy_ms"]),
+        fmt(row["numpy_vs_pyattn"], ".2f"),
         fmt_ms(row["torch_ms"]),
         fmt(row["torch_vs_pyattn"], ".2f"),
         fmt(row["vs_f32_cache"], ".2f"),
@@ -392,8 +443,10 @@ def parse_case(text: str) -> Case:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Time one decode step (1 query token over a KV cache) with pyattn.KVCache.attend for "
-        "float32/float16/bfloat16 caches, against torch SDPA (float32) and the NumPy reference.",
+        "float32/float16/bfloat16 caches, against float32 NumPy, torch SDPA (float32, when installed) and the "
+        "float64 NumPy reference.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=ENVIRONMENT_HELP.format(script="bench/bench_decode.py"),
     )
     parser.add_argument(
         "--quick", action="store_true", help=f"smoke test: {', '.join(c.name for c in QUICK)}, few runs (< 30 s)"
@@ -434,7 +487,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [d for d in args.dtypes if d not in CACHE_DTYPES]
     if unknown or not args.dtypes:
         parser.error(f"--dtypes: choose from {', '.join(CACHE_DTYPES)}, got {args.dtypes}")
-    if "float32" in args.dtypes:  # the float32 cache is built anyway (torch reads it); time it first
+    if "float32" in args.dtypes:  # the float32 cache is built anyway (the peers read it); time it first
         args.dtypes.remove("float32")
         args.dtypes.insert(0, "float32")
     if args.cases is not None:
@@ -477,8 +530,11 @@ def print_header(info: dict) -> None:
         f"pyattn {rt.get('version')}: isa={rt.get('isa')} available={rt.get('available_isas')} "
         f"openmp={rt.get('openmp')} compiler={rt.get('compiler')}"
     )
-    print(f"numpy {np.__version__}; torch {info['torch']}")
+    print(f"numpy {np.__version__} ({info['numpy_blas']}); "
+          f"torch {info['torch'] or 'not installed (peer skipped: its columns show -)'}")
     print_peer_isa(info["peer_isa_env"])
+    for line in openblas_env_warnings():
+        print(line)
     bandwidth = info["read_bandwidth_gbs"]
     print(f"streaming read bandwidth (measured now, {info['threads']} threads, 1 GiB): {bandwidth:.1f} GB/s")
     bw_busy = info["read_bandwidth_background_cpus"]
@@ -496,19 +552,20 @@ def print_header(info: dict) -> None:
         + (" (lower-right causal)" if n > 1 else "")
     )
     if info["cold"]:
-        print(f"--cold: before every timed call (untimed) the library's own threads read "
+        print(f"--cold: before every timed call (untimed) the library's own threads (pyattn's for numpy) read "
               f"{info['flush_bytes'] / 2**20:.0f} MiB (2 x (last-level cache + every core's L2), >= 256 MiB), evicting K/V")
     else:
         print("warm: calls back to back; K/V that fit in the last-level cache are read from it (--cold: from memory)")
     print("ms = median after warm-up; GB/s = K+V bytes stored for S tokens / ms; %bw = of the read bandwidth above;"
           " read = streaming read of this row's own K and V arrays (GB/s); %rd = GB/s / read")
     print(
-        "torch = F.scaled_dot_product_attention(enable_gqa=True), float32, on the float32 cache's memory; "
-        "torch x = torch ms / pyattn ms"
+        "numpy = float32 NumPy (one batched matmul per K/V head and its query group, softmax, matmul); "
+        "torch = F.scaled_dot_product_attention(enable_gqa=True), float32; both on the float32 cache's memory; "
+        "<peer> x = peer ms / pyattn ms"
     )
     print(
         f"max err vs ref = float64 reference on the stored (rounded) K/V, where B*S <= {REFERENCE_MAX_TOKENS}; "
-        "vs f32 = float32-cache ms / this ms"
+        "else (float32 rows) vs torch, or numpy without torch; vs f32 = float32-cache ms / this ms"
     )
     print()
 
@@ -519,8 +576,12 @@ def main(argv=None) -> int:
     peer_env = limit_peer_isa(args.isa, args.peers_isa)  # before torch is imported
     try:
         import torch
-    except ImportError:
-        sys.exit("bench_decode: torch is required (it is the peer)")
+
+        torch_version = torch.__version__
+    except ImportError:  # an optional peer (not a bench dependency): its columns show "-"
+        torch_version = None
+    args.torch = torch_version is not None
+    args.blas_limit, blas_threads = blas_thread_limiter(args.threads)
     if not hasattr(pyattn, "KVCache"):
         sys.exit("bench_decode: this pyattn has no KVCache")
     if any(d == "bfloat16" for d in args.dtypes):
@@ -549,12 +610,17 @@ def main(argv=None) -> int:
         "python": platform.python_version(),
         "threads": args.threads,
         "pyattn": dict(pyattn.runtime_info()),
-        "torch": torch.__version__,
+        "numpy_blas": f"{numpy_blas_name()}; BLAS threads: {blas_threads}",
+        "torch": torch_version,
         "read_bandwidth_gbs": bandwidth,
         "read_bandwidth_background_cpus": bandwidth_bg,
         "busy_cpus_before": busy,
         "peer_isa_env": peer_env,
-        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "PYATTN_ISA") if k in os.environ},
+        "env": {
+            k: os.environ[k]
+            for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OMP_NUM_THREADS", "PYATTN_ISA")
+            if k in os.environ
+        },
         "quick": args.quick,
         "min_time_s": args.min_time,
         "min_runs": args.min_runs,

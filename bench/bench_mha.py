@@ -1,13 +1,14 @@
 # SPDX-License-Identifier: MIT
 """Benchmark the pyattn multi-head attention layer and the GEMM behind its projections.
 
-Run (from the repository root, with pyattn installed in the interpreter's environment)::
+Run (from the repository root, with pyattn installed in the interpreter's environment; torch is
+optional: without it its columns show "-")::
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_mha.py            # full suite
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_mha.py --quick    # smoke, < 30 s
     python bench/bench_mha.py --threads 1 --markdown --json out.json
 
-OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE, when set, slow NumPy's BLAS (the numpy GEMM peer); the script
+OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE, when set, slow NumPy's BLAS (the numpy peers); the script
 never changes them, it prints a warning, hence the ``env -u`` above.
 
 Everything is float32 with the same thread count for every library (``--threads``, default
@@ -20,21 +21,29 @@ library alike.
 Table 1, the layer: self-attention ``out = layer(x)`` with x (B, L, E), no mask, for BERT-base-sized
 (E=768, 12 heads; B in 1, 8; L in 128, 512) and MiniLM-sized (E=384, 12 heads, B=8, L=128) layers:
 
-* pyattn: ``pyattn.MultiHeadAttention.from_torch(module)`` (weights packed once), ``num_threads``;
+* pyattn: ``pyattn.MultiHeadAttention.from_torch(module)`` with torch, else
+  ``MultiHeadAttention(E, H)`` then ``load_state_dict(weights)`` (torch's state_dict keys): the same
+  random weights and biases either way, N(0, 1/E) drawn with NumPy from ``--seed`` (packed once),
+  ``num_threads``;
 * mha: ``pyattn.mha(x, **weights)``, the functional form with the same weights as arrays on every
   call (its GEMM packs them as it goes; the output must equal the layer's bit for bit), "mha/layer"
   its time over the layer's;
-* torch: the same ``torch.nn.MultiheadAttention`` (batch_first=True, eval, ``torch.inference_mode()``,
-  ``need_weights=False``), i.e. what a PyTorch user runs for inference;
+* numpy: the same layer in float32 NumPy: the fused Q/K/V projection as one ``np.matmul`` over the
+  B*L rows (+ bias), attention by ``_common.numpy_attention`` (batched matmuls over all (batch, head)
+  pairs, in chunks of at most 4M scores, max-subtracted exp; no per-head loops), the output
+  projection by ``np.matmul``; its BLAS threads limited like the GEMM peer's;
+* torch (when installed): the same ``torch.nn.MultiheadAttention`` (batch_first=True, eval,
+  ``torch.inference_mode()``, ``need_weights=False``), i.e. what a PyTorch user runs for inference;
 * ref: ``pyattn.reference.mha``, the float64 NumPy reference (only on the L=128 shapes; it is a
   correctness yardstick, not a tuned peer);
 * max err: max |pyattn - reference| on the shapes where the reference runs, else max |pyattn - torch|
-  (torch float32), column "vs".
+  (torch float32), or max |pyattn - numpy| (float32) without torch, column "vs"; the JSON rows also
+  hold each peer's own error against the reference (torch_max_abs_err, numpy_max_abs_err).
 
 Table 2, the GEMM alone on the projection shapes (M = B*L, N = 3E for the fused Q/K/V projection or E
 for the output projection, K = E): ``pyattn._core.linear`` with pre-packed weights against NumPy's
-``np.matmul(x, w.T, out=...)`` and ``torch.mm(x, w.T, out=...)``; no bias; max err against a float64
-matmul.
+``np.matmul(x, w.T, out=...)`` and ``torch.mm(x, w.T, out=...)`` (when installed); no bias; max err
+against a float64 matmul.
 
 Columns: ms = median over runs after warm-up (runs repeat until both --min-time s and --min-runs runs);
 GFLOP/s from the formula below; %peak = of the FMA peak measured in this run
@@ -53,7 +62,8 @@ Table 3, a decode step: one new token through a self-attention layer over a KV c
   from position S (``cache.truncate(S)`` first, which is timed too);
 * mha: the same steps through ``pyattn.mha(token, kv_cache=cache2, **weights)`` over a second cache
   (the weights as arrays on every call; the output must equal the layer's bit for bit);
-* torch: the same weights as ``torch.nn.functional.linear`` projections, a preallocated float32
+* torch (when installed; without it pyattn and mha are still timed and checked): the same weights
+  as ``torch.nn.functional.linear`` projections, a preallocated float32
   K/V cache tensor (1, Hkv, S + DECODE_STEPS, Dh) written in place, and
   ``F.scaled_dot_product_attention(enable_gqa=...)`` over its filled part: what a PyTorch user
   writes for a KV cache (nn.MultiheadAttention has none); float32 for every row, also where pyattn's
@@ -87,8 +97,10 @@ from _common import (
     limit_peer_isa,
     print_peer_isa,
     now_iso,
+    numpy_attention,
     numpy_blas_name,
     openblas_env_warnings,
+    peer_timing,
     add_common_arguments,
     resolve_common_arguments,
     TimingDefaults,
@@ -204,17 +216,34 @@ def gemm_suite(layers) -> list[GemmCase]:
 # Inputs
 
 
-def torch_layer(case: LayerCase, rng: np.random.Generator):
-    """An eval-mode batch_first torch.nn.MultiheadAttention with random weights and biases."""
+def layer_weights(case: LayerCase, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Random weights and biases, N(0, 1/E), under torch.nn.MultiheadAttention's state_dict keys (in
+    the order of its parameters)."""
+    e = case.embed_dim
+    shapes = {"in_proj_weight": (3 * e, e), "in_proj_bias": (3 * e,), "out_proj.weight": (e, e), "out_proj.bias": (e,)}
+    return {name: (rng.standard_normal(shape) / np.sqrt(e)).astype(DTYPE) for name, shape in shapes.items()}
+
+
+def torch_layer(case: LayerCase, state: dict[str, np.ndarray]):
+    """An eval-mode batch_first torch.nn.MultiheadAttention holding `state`."""
     import torch
 
     module = torch.nn.MultiheadAttention(case.embed_dim, case.num_heads, batch_first=True).eval()
-    with torch.no_grad():
-        for param in module.parameters():
-            fan_in = param.shape[-1] if param.ndim == 2 else case.embed_dim
-            values = rng.standard_normal(tuple(param.shape)) / np.sqrt(fan_in)
-            param.copy_(torch.from_numpy(values.astype(DTYPE)))
+    module.load_state_dict({name: torch.from_numpy(value) for name, value in state.items()})
     return module
+
+
+def numpy_layer(x: np.ndarray, state: dict[str, np.ndarray], num_heads: int) -> np.ndarray:
+    """Self-attention through the layer in float32 NumPy: Q/K/V projection, attention, output projection."""
+    batch, seq_len, e = x.shape
+    dh = e // num_heads
+    qkv = np.matmul(x.reshape(batch * seq_len, e), state["in_proj_weight"].T)  # one GEMM for all B*L rows
+    qkv += state["in_proj_bias"]
+    q, k, v = qkv.reshape(batch, seq_len, 3, num_heads, dh).transpose(2, 0, 3, 1, 4)  # each (B, H, L, Dh)
+    context = numpy_attention(q, k, v, None, 1.0 / np.sqrt(dh)).transpose(0, 2, 1, 3).reshape(batch * seq_len, e)
+    out = np.matmul(context, state["out_proj.weight"].T)
+    out += state["out_proj.bias"]
+    return out.reshape(batch, seq_len, e)
 
 
 def max_abs_diff(a, b) -> float:
@@ -226,34 +255,44 @@ def max_abs_diff(a, b) -> float:
 
 
 def layer_row(pyattn, case: LayerCase, args, peak) -> dict:
-    """Time pyattn, torch and (small shapes) the reference on one layer; all blocks separate."""
-    import torch
-
+    """Time pyattn, numpy, torch (when installed) and (small shapes) the reference on one layer; all
+    blocks separate."""
     rng = np.random.default_rng(args.seed)
-    module = torch_layer(case, rng)
-    layer = pyattn.MultiHeadAttention.from_torch(module)
+    state = layer_weights(case, rng)
     x = rng.standard_normal((case.batch, case.seq_len, case.embed_dim), dtype=DTYPE)
     timing = dict(min_time=args.min_time, min_runs=args.min_runs, warmup=WARMUP)
-
-    torch.set_num_threads(args.threads)
-    tx = torch.from_numpy(x)
-
-    def run_torch():
-        with torch.inference_mode():
-            return module(tx, tx, tx, need_weights=False)[0]
+    module = torch_layer(case, state) if args.torch else None
+    if module is not None:
+        layer = pyattn.MultiHeadAttention.from_torch(module)
+    else:
+        layer = pyattn.MultiHeadAttention(case.embed_dim, case.num_heads)
+        layer.load_state_dict(state)
 
     weights = {k.replace(".", "_"): v for k, v in layer.state_dict().items()}
-    (t_pyattn, out), (t_function, function_out), (t_torch, torch_out) = interleaved(
-        {
-            "pyattn": lambda: layer(x, num_threads=args.threads),
-            "pyattn.mha": lambda: pyattn.mha(x, num_heads=case.num_heads, num_threads=args.threads, **weights),
-            "torch": run_torch,
-        },
-        args,
-    )
+    fns = {
+        "pyattn": lambda: layer(x, num_threads=args.threads),
+        "pyattn.mha": lambda: pyattn.mha(x, num_heads=case.num_heads, num_threads=args.threads, **weights),
+        "numpy": lambda: numpy_layer(x, state, case.num_heads),
+    }
+    if module is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        tx = torch.from_numpy(x)
+
+        def run_torch():
+            with torch.inference_mode():
+                return module(tx, tx, tx, need_weights=False)[0]
+
+        fns["torch"] = run_torch
+    timed = interleaved(fns, args, contexts={"numpy": args.blas_limit})
+    t_pyattn, out = timed["pyattn"]
+    t_function, function_out = timed["pyattn.mha"]
+    t_numpy, numpy_out = timed["numpy"]
+    t_torch, torch_out = timed.get("torch", (None, None))
     if not np.array_equal(function_out, out):
         raise AssertionError(f"{case.name}: pyattn.mha differs from the layer with the same weights")
-    torch_out = torch_out.numpy()
+    torch_out = None if torch_out is None else torch_out.numpy()
 
     row = {
         "case": case.name,
@@ -267,9 +306,8 @@ def layer_row(pyattn, case: LayerCase, args, peak) -> dict:
         "pyattn_runs": t_pyattn.runs,
         "function_ms": t_function.median * 1e3,
         "function_vs_pyattn": t_function.median / t_pyattn.median,
-        "torch_ms": t_torch.median * 1e3,
-        "torch_runs": t_torch.runs,
-        "torch_vs_pyattn": t_torch.median / t_pyattn.median,
+        **peer_timing("torch", t_torch, t_pyattn),
+        **peer_timing("numpy", t_numpy, t_pyattn),
         "reference_ms": None,
         "reference_vs_pyattn": None,
     }
@@ -282,19 +320,19 @@ def layer_row(pyattn, case: LayerCase, args, peak) -> dict:
         row["reference_ms"] = t_ref.median * 1e3
         row["reference_vs_pyattn"] = t_ref.median / t_pyattn.median
         row["max_abs_err"], row["err_vs"] = max_abs_diff(out, ref), "ref"
-        row["torch_max_abs_err"] = max_abs_diff(torch_out, ref)
-    else:
-        row["max_abs_err"], row["err_vs"] = max_abs_diff(out, torch_out), "torch"
-        row["torch_max_abs_err"] = None
+        row["torch_max_abs_err"] = None if torch_out is None else max_abs_diff(torch_out, ref)
+        row["numpy_max_abs_err"] = max_abs_diff(numpy_out, ref)
+    else:  # no float64 reference at this size: agreement with a float32 peer (torch, else numpy)
+        peer_name, peer_out = ("torch", torch_out) if torch_out is not None else ("numpy", numpy_out)
+        row["max_abs_err"], row["err_vs"] = max_abs_diff(out, peer_out), peer_name
+        row["torch_max_abs_err"] = row["numpy_max_abs_err"] = None
     return row
 
 
-def decode_row(pyattn, case: DecodeCase, args, peak) -> dict:
-    """Time DECODE_STEPS one-token steps of pyattn's layer over its KVCache and of the same step in
-    PyTorch (F.linear + a preallocated float32 cache + SDPA); blocks separate."""
-    import torch
-    import torch.nn.functional as F
 
+def decode_row(pyattn, case: DecodeCase, args, peak) -> dict:
+    """Time DECODE_STEPS one-token steps of pyattn's layer over its KVCache and, when torch is
+    installed, of the same step in PyTorch (torch_decode); blocks separate."""
     rng = np.random.default_rng(args.seed)
     e, h, hkv, s = case.embed_dim, case.num_heads, case.num_kv_heads, case.cached
     dh = e // h
@@ -324,32 +362,13 @@ def decode_row(pyattn, case: DecodeCase, args, peak) -> dict:
                              num_threads=args.threads, **weights)
         return out
 
-    torch.set_num_threads(args.threads)
-    w_in, b_in = torch.from_numpy(state["in_proj_weight"]), torch.from_numpy(state["in_proj_bias"])
-    sizes = [e, hkv * dh, hkv * dh]
-    wq, wk, wv = torch.split(w_in, sizes)
-    bq, bk, bv = torch.split(b_in, sizes)
-    wo, bo = torch.from_numpy(state["out_proj.weight"]), torch.from_numpy(state["out_proj.bias"])
-    k_cache = torch.zeros((1, hkv, s + DECODE_STEPS, dh))
-    v_cache = torch.zeros((1, hkv, s + DECODE_STEPS, dh))
-    k_cache[:, :, :s] = torch.from_numpy(cache.keys(0)[None, :, :s].astype(DTYPE))
-    v_cache[:, :, :s] = torch.from_numpy(cache.values(0)[None, :, :s].astype(DTYPE))
-    ttokens = torch.from_numpy(tokens)
-
-    def run_torch():
-        with torch.inference_mode():
-            for i in range(DECODE_STEPS):
-                x, pos = ttokens[i], s + i
-                q = F.linear(x, wq, bq).view(1, 1, h, dh).transpose(1, 2)
-                k_cache[:, :, pos:pos + 1] = F.linear(x, wk, bk).view(1, 1, hkv, dh).transpose(1, 2)
-                v_cache[:, :, pos:pos + 1] = F.linear(x, wv, bv).view(1, 1, hkv, dh).transpose(1, 2)
-                o = F.scaled_dot_product_attention(q, k_cache[:, :, :pos + 1], v_cache[:, :, :pos + 1],
-                                                   enable_gqa=hkv != h)
-                out = F.linear(o.transpose(1, 2).reshape(1, 1, e), wo, bo)
-        return out
-
-    (t_pyattn, out), (t_function, function_out), (t_torch, _) = interleaved(
-        {"pyattn": run_pyattn, "pyattn.mha": run_function, "torch": run_torch}, args)
+    fns = {"pyattn": run_pyattn, "pyattn.mha": run_function}
+    if args.torch:
+        fns["torch"] = torch_decode(case, state, cache, tokens, args.threads)
+    timed = interleaved(fns, args)
+    t_pyattn, out = timed["pyattn"]
+    t_function, function_out = timed["pyattn.mha"]
+    t_torch = timed["torch"][0] if args.torch else None
     if not np.array_equal(function_out, out):
         raise AssertionError(f"{case.name}: pyattn.mha differs from the layer with the same weights")
 
@@ -380,24 +399,55 @@ def decode_row(pyattn, case: DecodeCase, args, peak) -> dict:
         "max_abs_err": max_abs_diff(out.reshape(e), expected),
         "function_ms": t_function.median / DECODE_STEPS * 1e3,
         "function_vs_pyattn": t_function.median / t_pyattn.median,
-        "torch_ms": t_torch.median / DECODE_STEPS * 1e3,
-        "torch_runs": t_torch.runs,
-        "torch_vs_pyattn": t_torch.median / t_pyattn.median,
+        **peer_timing("torch", t_torch, t_pyattn, per_call=DECODE_STEPS),
     }
 
 
-def interleaved(fns, args, contexts=None) -> list:
-    """(timing, result) of each callable, timed in args.rounds alternating blocks (time_interleaved);
-    a failure is raised."""
-    timed = time_interleaved(fns, rounds=args.rounds, min_time=args.min_time, min_runs=args.min_runs,
-                             warmup=WARMUP, contexts=contexts, raise_errors=True)
-    return [timed[name] for name in fns]
+def torch_decode(case: DecodeCase, state, cache, tokens, threads):
+    """DECODE_STEPS one-token steps written in PyTorch, as a callable: F.linear projections with the
+    layer's weights, a preallocated float32 K/V cache tensor (1, Hkv, S + DECODE_STEPS, Dh) holding
+    `cache`'s first S tokens and written in place, F.scaled_dot_product_attention over its filled part."""
+    import torch
+    import torch.nn.functional as F
+
+    e, h, hkv, s = case.embed_dim, case.num_heads, case.num_kv_heads, case.cached
+    dh = e // h
+    torch.set_num_threads(threads)
+    w_in, b_in = torch.from_numpy(state["in_proj_weight"]), torch.from_numpy(state["in_proj_bias"])
+    sizes = [e, hkv * dh, hkv * dh]
+    wq, wk, wv = torch.split(w_in, sizes)
+    bq, bk, bv = torch.split(b_in, sizes)
+    wo, bo = torch.from_numpy(state["out_proj.weight"]), torch.from_numpy(state["out_proj.bias"])
+    k_cache = torch.zeros((1, hkv, s + DECODE_STEPS, dh))
+    v_cache = torch.zeros((1, hkv, s + DECODE_STEPS, dh))
+    k_cache[:, :, :s] = torch.from_numpy(cache.keys(0)[None, :, :s].astype(DTYPE))
+    v_cache[:, :, :s] = torch.from_numpy(cache.values(0)[None, :, :s].astype(DTYPE))
+    ttokens = torch.from_numpy(tokens)
+
+    def run_torch():
+        with torch.inference_mode():
+            for i in range(DECODE_STEPS):
+                x, pos = ttokens[i], s + i
+                q = F.linear(x, wq, bq).view(1, 1, h, dh).transpose(1, 2)
+                k_cache[:, :, pos:pos + 1] = F.linear(x, wk, bk).view(1, 1, hkv, dh).transpose(1, 2)
+                v_cache[:, :, pos:pos + 1] = F.linear(x, wv, bv).view(1, 1, hkv, dh).transpose(1, 2)
+                o = F.scaled_dot_product_attention(q, k_cache[:, :, :pos + 1], v_cache[:, :, :pos + 1],
+                                                   enable_gqa=hkv != h)
+                out = F.linear(o.transpose(1, 2).reshape(1, 1, e), wo, bo)
+        return out
+
+    return run_torch
+
+
+def interleaved(fns, args, contexts=None) -> dict:
+    """name -> (timing, result) of each callable, timed in args.rounds alternating blocks
+    (time_interleaved); a failure is raised."""
+    return time_interleaved(fns, rounds=args.rounds, min_time=args.min_time, min_runs=args.min_runs,
+                            warmup=WARMUP, contexts=contexts, raise_errors=True)
 
 
 def gemm_row(pyattn, case: GemmCase, args, peak) -> dict:
-    """Time pyattn._core.linear (pre-packed), np.matmul and torch.mm on one GEMM shape."""
-    import torch
-
+    """Time pyattn._core.linear (pre-packed), np.matmul and torch.mm (when installed) on one GEMM shape."""
     rng = np.random.default_rng(args.seed)
     x = rng.standard_normal((case.m, case.k), dtype=DTYPE)
     w = (rng.standard_normal((case.n, case.k)) / np.sqrt(case.k)).astype(DTYPE)
@@ -405,18 +455,20 @@ def gemm_row(pyattn, case: GemmCase, args, peak) -> dict:
     out = np.empty((case.m, case.n), dtype=DTYPE)
     out_np = np.empty_like(out)
     w_t = w.T
-    torch.set_num_threads(args.threads)
-    tx, tw = torch.from_numpy(x), torch.from_numpy(w)
-    out_torch = torch.empty((case.m, case.n), dtype=torch.float32)
-    (t_pyattn, _), (t_numpy, _), (t_torch, _) = interleaved(
-        {
-            "pyattn": lambda: pyattn._core.linear(x, packed, panel, case.n, None, out, args.threads),
-            "numpy": lambda: np.matmul(x, w_t, out=out_np),
-            "torch": lambda: torch.mm(tx, tw.t(), out=out_torch),
-        },
-        args,
-        contexts={"numpy": args.blas_limit},
-    )
+    fns = {
+        "pyattn": lambda: pyattn._core.linear(x, packed, panel, case.n, None, out, args.threads),
+        "numpy": lambda: np.matmul(x, w_t, out=out_np),
+    }
+    if args.torch:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        tx, tw = torch.from_numpy(x), torch.from_numpy(w)
+        out_torch = torch.empty((case.m, case.n), dtype=torch.float32)
+        fns["torch"] = lambda: torch.mm(tx, tw.t(), out=out_torch)
+    timed = interleaved(fns, args, contexts={"numpy": args.blas_limit})
+    t_pyattn, t_numpy = timed["pyattn"][0], timed["numpy"][0]
+    t_torch = timed["torch"][0] if args.torch else None
 
     exact = x.astype(np.float64) @ w.T.astype(np.float64)
     gflops = case.flops / t_pyattn.median / 1e9
@@ -436,10 +488,10 @@ def gemm_row(pyattn, case: GemmCase, args, peak) -> dict:
         "numpy_gflops": case.flops / t_numpy.median / 1e9,
         "numpy_vs_pyattn": t_numpy.median / t_pyattn.median,
         "numpy_max_abs_err": max_abs_diff(out_np, exact),
-        "torch_ms": t_torch.median * 1e3,
-        "torch_gflops": case.flops / t_torch.median / 1e9,
-        "torch_vs_pyattn": t_torch.median / t_pyattn.median,
-        "torch_max_abs_err": max_abs_diff(out_torch.numpy(), exact),
+        "torch_ms": None if t_torch is None else t_torch.median * 1e3,
+        "torch_gflops": None if t_torch is None else case.flops / t_torch.median / 1e9,
+        "torch_vs_pyattn": None if t_torch is None else t_torch.median / t_pyattn.median,
+        "torch_max_abs_err": None if t_torch is None else max_abs_diff(out_torch.numpy(), exact),
     }
 
 
@@ -494,6 +546,8 @@ LAYER_TABLE = Table(
         Column("vs", 5, right=False),
         Column("mha ms", 7),
         Column("mha/layer", 9),
+        Column("numpy ms", 8),
+        Column("numpy x", 7),
         Column("torch ms", 8),
         Column("torch x", 7),
         Column("ref ms", 7),
@@ -561,6 +615,8 @@ def layer_cells(row: dict) -> list[str]:
         row["err_vs"],
         fmt_ms(row["function_ms"]),
         fmt(row["function_vs_pyattn"], ".2f"),
+        fmt_ms(row["numpy_ms"]),
+        fmt(row["numpy_vs_pyattn"], ".2f"),
         fmt_ms(row["torch_ms"]),
         fmt(row["torch_vs_pyattn"], ".2f"),
         fmt_ms(row["reference_ms"]),
@@ -633,7 +689,8 @@ def print_header(info: dict) -> None:
         f"pyattn {rt.get('version')}: isa={rt.get('isa')} available={rt.get('available_isas')} "
         f"openmp={rt.get('openmp')} compiler={rt.get('compiler')}"
     )
-    print(f"numpy {np.__version__} ({info['numpy_blas']}); torch {info['torch']}")
+    print(f"numpy {np.__version__} ({info['numpy_blas']}); "
+          f"torch {info['torch'] or 'not installed (peer skipped: its columns show -)'}")
     print_peer_isa(info["peer_isa_env"])
     print(f"FMA peak (measured now, float32, pyattn's ISA): {peak:.1f} GFLOP/s")
     peak_busy = info["fma_peak_background_cpus"]
@@ -650,12 +707,13 @@ def print_header(info: dict) -> None:
     print("layer GFLOP/s = (8*B*L*E^2 [Q,K,V,out projections, 2*M*N*K each] + 4*B*H*L*S*Dh [attention]) / time")
     print("GEMM GFLOP/s = 2*M*N*K / time; %peak = of the FMA peak above")
     print(
-        "'<peer> x' = peer ms / pyattn ms (> 1: pyattn faster); torch = nn.MultiheadAttention "
-        "(eval, inference_mode, need_weights=False); ref = pyattn.reference.mha (float64 NumPy)"
+        "'<peer> x' = peer ms / pyattn ms (> 1: pyattn faster); numpy = the layer in float32 NumPy (np.matmul "
+        "projections, batched-matmul attention); torch = nn.MultiheadAttention (eval, inference_mode, "
+        "need_weights=False); ref = pyattn.reference.mha (float64 NumPy)"
     )
     print(
-        f"layer max err vs 'ref' (float64 reference, L <= {REFERENCE_MAX_LEN}) or 'torch' (float32); "
-        "GEMM max err vs a float64 matmul"
+        f"layer max err vs 'ref' (float64 reference, L <= {REFERENCE_MAX_LEN}) or 'torch' (float32; 'numpy' "
+        "without torch); GEMM max err vs a float64 matmul; decode max err vs a float64 step"
     )
     print()
 
@@ -666,8 +724,11 @@ def main(argv=None) -> int:
     peer_env = limit_peer_isa(args.isa, args.peers_isa)  # before torch is imported
     try:
         import torch
-    except ImportError:
-        sys.exit("bench_mha: torch is required (it is the peer and the source of the layer weights)")
+
+        torch_version = torch.__version__
+    except ImportError:  # an optional peer (not a bench dependency): its columns show "-"
+        torch_version = None
+    args.torch = torch_version is not None
     if not hasattr(pyattn, "MultiHeadAttention"):
         sys.exit("bench_mha: this pyattn has no MultiHeadAttention")
     layers = [c for c in LAYER_SUITE if c.name in QUICK_LAYERS] if args.quick else list(LAYER_SUITE)
@@ -691,7 +752,7 @@ def main(argv=None) -> int:
         "threads": args.threads,
         "pyattn": dict(pyattn.runtime_info()),
         "numpy_blas": f"{numpy_blas_name()}; BLAS threads: {blas_threads}",
-        "torch": torch.__version__,
+        "torch": torch_version,
         "fma_peak_gflops": peak,
         "fma_peak_background_cpus": peak_busy,
         "busy_cpus_before": busy,

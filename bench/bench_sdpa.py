@@ -25,10 +25,11 @@ What is measured, per (shape, variant) row, all in float32 with the same thread 
   plain streaming read of that row's own K and V arrays, which shares their page backing);
 * max abs error of pyattn's output against ``pyattn.reference`` (float64). Rows with
   B*H*L*S > 2**23 are checked on the first batch and head only (inputs sliced to [:1, :1]);
-* peers: "numpy" (a float32 NumPy implementation written here: matmul, masked softmax, matmul; the
-  float64 pyattn.reference would not be a fair peer), ``torch.nn.functional.scaled_dot_product_attention``
-  (inference_mode, torch.set_num_threads) and onnxruntime (ONNX ``Attention`` op, opset 23) when
-  installed. Each peer shows its median ms and ``peer_ms / pyattn_ms`` (> 1: pyattn is faster).
+* peers: "numpy" (a float32 NumPy implementation, ``_common.numpy_attention``: matmul, masked
+  softmax, matmul; the float64 pyattn.reference would not be a fair peer),
+  ``torch.nn.functional.scaled_dot_product_attention`` (inference_mode, torch.set_num_threads) and
+  onnxruntime (ONNX ``Attention`` op, opset 23) when installed. Each peer shows its median ms and
+  ``peer_ms / pyattn_ms`` (> 1: pyattn is faster).
 
 FLOP count: 4 * B * H * D * (number of (query, key) pairs computed); a pair costs 2*D for q.k and 2*D
 for p*v. ``none`` and ``mask`` rows count all L*S pairs (a mask does not reduce the work credited);
@@ -72,6 +73,7 @@ from _common import (
     limit_peer_isa,
     measure_ceilings,
     now_iso,
+    numpy_attention,
     numpy_blas_name,
     openblas_env_warnings,
     print_peer_isa,
@@ -88,7 +90,6 @@ FULL_CHECK_MAX_SCORES = 1 << 23  # B*H*L*S above this: the error is checked on [
 ROW_RETRIES = 2  # with --wait-idle: redo a row disturbed by other processes at most this often
 TIMING = TimingDefaults(min_time=0.3, min_runs=5, quick_min_runs=3)  # --min-time / --min-runs
 PEER_AGREEMENT_TOL = 1e-3  # a peer further than this from pyattn is reported (bench bug or real bug)
-NUMPY_CHUNK_SCORES = 1 << 22  # the numpy peer materialises at most this many float32 scores at once
 
 
 @dataclass(frozen=True)
@@ -206,33 +207,6 @@ def kv_bytes(case: Case) -> int:
 # Peers: each factory returns a zero-argument callable that computes the row's attention.
 
 
-def numpy_sdpa(q, k, v, allowed, scale):
-    """Float32 NumPy attention: scores by matmul, masked softmax in place, matmul with V.
-
-    `allowed` is None or a bool (L, S) mask (True = may attend). (batch, head) pairs are processed
-    in chunks of at most NUMPY_CHUNK_SCORES scores so memory stays bounded on the long rows.
-    """
-    b, h, q_len, _ = q.shape
-    kv_len, ev = k.shape[2], v.shape[3]
-    qf = (q * DTYPE(scale)).reshape(b * h, q_len, -1)
-    kt = k.reshape(b * h, kv_len, -1).transpose(0, 2, 1)
-    vf = v.reshape(b * h, kv_len, ev)
-    out = np.empty((b * h, q_len, ev), dtype=DTYPE)
-    forbidden = None if allowed is None else ~allowed
-    step = max(1, NUMPY_CHUNK_SCORES // (q_len * kv_len))
-    for g0 in range(0, b * h, step):
-        g = slice(g0, min(g0 + step, b * h))
-        scores = np.matmul(qf[g], kt[g])
-        if forbidden is not None:
-            np.copyto(scores, -np.inf, where=forbidden)
-        scores -= scores.max(axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
-        denom = scores.sum(axis=-1, keepdims=True)
-        np.matmul(scores, vf[g], out=out[g])
-        out[g] /= denom
-    return out.reshape(b, h, q_len, ev)
-
-
 def make_numpy_peer(case, variant, q, k, v, mask, threads):
     """The NumPy peer; the causal mask is built once here, outside the timed call (like `mask`)."""
     allowed = mask
@@ -240,7 +214,7 @@ def make_numpy_peer(case, variant, q, k, v, mask, threads):
         causal = causal_allowed(case)
         allowed = None if causal.all() else causal
     scale = 1.0 / math.sqrt(case.head_dim)
-    return lambda: numpy_sdpa(q, k, v, allowed, scale)
+    return lambda: numpy_attention(q, k, v, allowed, scale)
 
 
 def make_torch_peer(case, variant, q, k, v, mask, threads):
