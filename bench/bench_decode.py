@@ -68,7 +68,9 @@ bandwidth measured at start-up in the same run (``pyattn._core.read_bandwidth_gb
 rows whose K+V fit in the last-level cache can exceed 100%. read = GB/s of a plain streaming read of
 this row's own K and V arrays (``pyattn._core.read_buffers_gbs([K, V], T)``, same threads, measured
 just before and just after the row, the higher of the two): the ceiling for exactly these pages, which also reflects whether the OS backed
-them (and the 1 GiB buffer) with transparent huge pages, worth up to 2x on some machines; %rd =
+them (and the 1 GiB buffer) with transparent huge pages, worth up to 2x on some machines; with
+--cold, the median of 7 reads, each after the same eviction pass as the timed calls: the ceiling of
+these bytes from memory in one call, start-up included; %rd =
 GB/s / read, the fraction of that ceiling the decode step reaches. max err = max |pyattn - ref| where the
 reference runs, else (float32 rows only) max |pyattn - torch|, or max |pyattn - numpy| without torch
 (a float32 peer: it measures agreement, ~1e-7, and still exposes a wrong answer); column "vs" says
@@ -236,9 +238,23 @@ def time_reference(pyattn, q, cache, timing):
                      **timing)
 
 
-def kv_read_gbs(pyattn, cache, threads) -> float:
-    """A plain streaming read of the cache's K and V arrays (any dtype, ml_dtypes too)."""
-    return float(pyattn._core.read_buffers_gbs([cache.keys().view(np.uint8), cache.values().view(np.uint8)], threads))
+COLD_READS = 7  # --cold: evicted plain reads of a row's K and V per measurement of its "read" ceiling
+
+
+def kv_read_gbs(pyattn, cache, threads, flush=None) -> float:
+    """A plain streaming read of the cache's K and V arrays (any dtype, ml_dtypes too), best of five.
+    With flush (--cold), the median of COLD_READS reads, each after the eviction pass the timed calls
+    get: the ceiling those calls face, these bytes from memory in one pass with the same start-up (the
+    first misses of every thread) that a short step pays. A median, like the timed calls, because
+    how much of the K/V an eviction pass leaves in the last-level cache varies from pass to pass."""
+    arrays = [cache.keys().view(np.uint8), cache.values().view(np.uint8)]
+    if flush is None:
+        return float(pyattn._core.read_buffers_gbs(arrays, threads))
+    reads = []
+    for _ in range(COLD_READS):
+        pyattn._core.read_buffers_gbs([flush], threads, repeats=1)
+        reads.append(float(pyattn._core.read_buffers_gbs(arrays, threads, repeats=1)))
+    return float(np.median(reads))
 
 
 def evictors(pyattn, args, names) -> dict | None:
@@ -270,7 +286,7 @@ def case_rows(pyattn, case: Case, args, bandwidth) -> list[dict]:
     fill_s = time.perf_counter() - t0
     caches = {name: f32 if name == "float32" else filled_cache(pyattn, case, name, rng, args.new_tokens, source=f32)
               for name in args.dtypes}
-    read_before = {name: kv_read_gbs(pyattn, c, args.threads) for name, c in caches.items()}
+    read_before = {name: kv_read_gbs(pyattn, c, args.threads, args.flush) for name, c in caches.items()}
 
     # The peers on the float32 cache's memory (max_len == S, so keys()/values() are contiguous views).
     fns = {}
@@ -296,7 +312,7 @@ def case_rows(pyattn, case: Case, args, bandwidth) -> list[dict]:
     for name, cache in caches.items():
         t_pyattn, out = timed[name]
         # Again after: the kernel's khugepaged may have turned the arrays into huge pages meanwhile.
-        read_gbs = max(read_before[name], kv_read_gbs(pyattn, cache, args.threads))
+        read_gbs = max(read_before[name], kv_read_gbs(pyattn, cache, args.threads, args.flush))
         ms = t_pyattn.median * 1e3
         nbytes = case.kv_bytes(cache.dtype.itemsize)
         gbs = nbytes / t_pyattn.median / 1e9
@@ -557,7 +573,8 @@ def print_header(info: dict) -> None:
     else:
         print("warm: calls back to back; K/V that fit in the last-level cache are read from it (--cold: from memory)")
     print("ms = median after warm-up; GB/s = K+V bytes stored for S tokens / ms; %bw = of the read bandwidth above;"
-          " read = streaming read of this row's own K and V arrays (GB/s); %rd = GB/s / read")
+          " read = streaming read of this row's own K and V arrays (GB/s"
+          + (", each after the eviction pass" if info["cold"] else "") + "); %rd = GB/s / read")
     print(
         "numpy = float32 NumPy (one batched matmul per K/V head and its query group, softmax, matmul); "
         "torch = F.scaled_dot_product_attention(enable_gqa=True), float32; both on the float32 cache's memory; "
