@@ -57,6 +57,7 @@ except ImportError:  # pragma: no cover - run from elsewhere
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     import fuzz_api
 from fuzz_api import TOL, _np_dtype, ml_dtypes
+from fuzz_api import _layout as fuzz_api_layout
 from fuzz_cache_mistakes import MISTAKES, KnownIssue, Mistakes
 from fuzz_cache_model import (MAX_ELEMENTS, MAX_EMBED, STORE_TOL, Model, Snapshot, _bits, _compare, _f64,
                               _score_factor)
@@ -78,30 +79,11 @@ RAGGED = ("no", "no", "array", "list")  # num_new: none, an int64 array, a list
 
 
 def _layout(x, layout):
-    """An array holding x's values in the given memory layout (a view of a fresh parent), or a list."""
-    if layout == "c" or x.ndim == 0:
-        return np.ascontiguousarray(x)
-    floating = x.dtype.kind == "f" or x.dtype.name == "bfloat16"
-    if layout == "guarded":  # offset view of a NaN-filled parent, rows not adjacent
-        pad = 2
-        parent = np.zeros(tuple(n + 2 * pad for n in x.shape), dtype=x.dtype)
-        if floating:
-            parent[...] = np.nan
-        view = parent[tuple(slice(pad, pad + n) for n in x.shape)]
-        view[...] = x
-        return view
-    if layout == "transposed" and x.ndim >= 3:  # (B, L, H, D) memory seen as (B, H, L, D)
-        return np.swapaxes(np.ascontiguousarray(np.swapaxes(x, -2, -3)), -2, -3)
-    if layout == "last_strided":  # the last axis not contiguous
-        parent = np.zeros(x.shape[:-1] + (2 * x.shape[-1],), dtype=x.dtype)
-        view = parent[..., ::2]
-        view[...] = x
-        return view
-    if layout == "fortran":
-        return np.asfortranarray(x)
-    if layout == "list" and x.dtype == np.float64 and x.size:  # (an empty list loses the shape)
+    """An array holding x's values in the given memory layout (fuzz_api's: a view of a fresh parent),
+    or for "list" nested Python lists (float64 only; an empty list loses the shape)."""
+    if layout == "list" and x.ndim and x.dtype == np.float64 and x.size:
         return x.tolist()
-    return np.ascontiguousarray(x)
+    return fuzz_api_layout(x, layout, None)  # LAYOUTS has no "stride0", the one that draws from rng
 
 
 # --- programs (the strategy) ------------------------------------------------------------------------
