@@ -37,9 +37,12 @@ struct LayerBuffers {
   T *q, *k, *v, *context;
 };
 
+// Each starts on a cache line, like the workspace itself (the kernels' vector loads of K/V rows).
 template <class T>
 LayerBuffers<T> layer_buffers(int64_t q_rows, int64_t q_width, int64_t kv_rows, int64_t kv_width) {
-  const size_t q_size = size_t(q_rows * q_width), kv_size = size_t(kv_rows * kv_width);
+  constexpr size_t kLine = kCacheLine / sizeof(T);
+  auto lines = [](size_t elems) { return (elems + kLine - 1) / kLine * kLine; };
+  const size_t q_size = lines(size_t(q_rows * q_width)), kv_size = lines(size_t(kv_rows * kv_width));
   T* const q = grow_only_scratch<LayerWorkspace, T>(2 * q_size + 2 * kv_size);
   return {q, q + q_size, q + q_size + kv_size, q + q_size + 2 * kv_size};
 }

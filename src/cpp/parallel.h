@@ -34,12 +34,17 @@ inline int threads_for(double fmas, int wanted, int64_t items) {
 // The calling thread's buffer of at least `elems` elements, one per Tag: it only grows, so a
 // caller that runs again and again reuses its memory instead of paying page faults for fresh
 // megabytes on every call, and concurrent callers (Python threads) never share one. Allocated by
-// the calling thread before a parallel region, which no exception may leave.
+// the calling thread before a parallel region, which no exception may leave. It starts on a cache
+// line (kCacheLine), as the kernels' vector loads of it (packed GEMM panels, K/V rows) assume: a
+// 64-byte load that straddles two lines costs two (see pack_weights in bindings_mha.cpp).
+constexpr size_t kCacheLine = 64;
 template <class Tag, class T>
 T* grow_only_scratch(size_t elems) {
+  constexpr size_t kSlack = (kCacheLine + sizeof(T) - 1) / sizeof(T);
   thread_local std::vector<T> buffer;
-  if (buffer.size() < elems) buffer.resize(elems);
-  return buffer.data();
+  if (buffer.size() < elems + kSlack) buffer.resize(elems + kSlack);
+  const size_t misalign = reinterpret_cast<uintptr_t>(buffer.data()) % kCacheLine;
+  return buffer.data() + (misalign ? (kCacheLine - misalign) / sizeof(T) : 0);
 }
 
 // The calling thread's index in the current team (0 outside a parallel region).
