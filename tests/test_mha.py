@@ -886,6 +886,9 @@ def test_pack_weights_layout(isa, dtype, rng):
         for col in range(n):
             expected[col // panel, :, col % panel] = w[col]
         np.testing.assert_array_equal(packed.reshape(panels, k, panel), expected, err_msg=f"n={n} k={k}")
+        # On a cache line, whatever NumPy's allocator gave: the GEMM loads whole 64-byte vectors of it.
+        assert packed.ctypes.data % 64 == 0, f"n={n} k={k}: packed weights start {packed.ctypes.data % 64} bytes past a line"
+        assert packed.flags.c_contiguous and packed.flags.writeable and packed.size == panels * k * panel
 
 
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
