@@ -414,3 +414,18 @@ def test_no_env_picks_best_isa():
     result = _run_python("import pyattn; print(pyattn.get_isa())")
     assert result.returncode == 0, result.stderr
     assert _last_line(result.stdout) == pyattn.available_isas()[-1]
+
+
+def test_outputs_start_on_a_cache_line(rng):
+    """Outputs pyattn allocates (out, return_weights / need_weights) start on a 64-byte line, not
+    NumPy's 16 bytes: the kernels' vector stores into rows that straddle two lines cost two."""
+    for dtype in (np.float32, np.float64):
+        for shape in ((1, 1, 1, 1), (2, 3, 5, 7), (1, 4, 33, 16), (3, 1, 9, 24)):
+            q = rng.standard_normal(shape).astype(dtype)
+            out, weights = pyattn.scaled_dot_product_attention(q, q, q, return_weights=True)
+            assert out.ctypes.data % 64 == 0 and weights.ctypes.data % 64 == 0, (dtype, shape)
+            assert out.flags.c_contiguous and out.flags.writeable and weights.flags.c_contiguous
+        x = rng.standard_normal((2, 5, 16)).astype(dtype)
+        layer = pyattn.MultiHeadAttention(16, 4, dtype=dtype, seed=0)
+        y, w = layer(x, need_weights=True, average_attn_weights=False)
+        assert y.ctypes.data % 64 == 0 and w.ctypes.data % 64 == 0, dtype

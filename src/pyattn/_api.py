@@ -171,12 +171,22 @@ def _causal_value(is_causal):
     return _CAUSAL[key]
 
 
+_LINE = 64  # bytes: outputs start on a cache line
+
+
 def _allocate(shape, dtype, name):
+    """An uninitialised C-contiguous array that starts on a cache line (a view into a slightly larger
+    buffer): NumPy aligns to 16 bytes, and the kernels' 64-byte vector stores into a row that
+    straddles two lines cost two (unaligned outputs 0.93-0.98x at L = 128-512, Sapphire Rapids-class
+    Xeon, 2026-12-03, output offsets alternating in one process)."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
     try:
-        return np.empty(shape, dtype=dtype)
+        raw = np.empty(nbytes + _LINE, np.uint8)
     except (MemoryError, ValueError) as exc:
-        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         raise ValueError(f"{name}: cannot allocate an array of shape {shape} ({nbytes} bytes): {exc}") from None
+    start = -raw.ctypes.data % _LINE
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def scaled_dot_product_attention(
