@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from . import _core
-from ._api import _HALF_STORAGE, _scale_value, _threads_value
+from ._api import _HALF_STORAGE, _LINE, _scale_value, _threads_value
 
 
 def _storage_dtype(dtype):
@@ -47,14 +47,13 @@ def _storage_dtype(dtype):
 # K/V in L2 an aligned start was 1.02-1.06x faster (Zen 3, AVX2), but from L3 and memory 0.93-0.98x
 # (storage offsets alternating in one process, 8 KV heads, 4k-16k tokens), so bfloat16 keeps the
 # offset too.
-_ALIGN = 64
 _START = {2: 16, 4: 0, 8: 0}
 
 
 def _storage_zeros(shape, dtype):
     nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.zeros(nbytes + 2 * _ALIGN, np.uint8)
-    start = -raw.ctypes.data % _ALIGN + _START[dtype.itemsize]
+    raw = np.zeros(nbytes + 2 * _LINE, np.uint8)
+    start = -raw.ctypes.data % _LINE + _START[dtype.itemsize]
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
