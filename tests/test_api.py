@@ -429,3 +429,15 @@ def test_outputs_start_on_a_cache_line(rng):
         layer = pyattn.MultiHeadAttention(16, 4, dtype=dtype, seed=0)
         y, w = layer(x, need_weights=True, average_attn_weights=False)
         assert y.ctypes.data % 64 == 0 and w.ctypes.data % 64 == 0, dtype
+    # 16-bit inputs: computed in float32, the result rounded into a fresh 16-bit array, also on a line.
+    halves = [np.float16]
+    try:
+        import ml_dtypes
+        halves.append(ml_dtypes.bfloat16)
+    except ImportError:  # bfloat16 arrays need ml_dtypes (the test extra installs it)
+        pass
+    for dtype in halves:
+        q = rng.standard_normal((2, 3, 5, 7)).astype(dtype)
+        out, weights = pyattn.scaled_dot_product_attention(q, q, q, return_weights=True)
+        assert out.dtype == dtype and out.ctypes.data % 64 == 0 and weights.ctypes.data % 64 == 0, dtype
+        assert pyattn.scaled_dot_product_attention(q, q, q).ctypes.data % 64 == 0, dtype

@@ -35,9 +35,9 @@ py::array_t<T> pack_weights_t(const py::array& w) {
   const int64_t n = w.shape(0), k = w.shape(1), panel = ks.gemm_panel;
   const py::ssize_t elems = py::ssize_t(packed_elems(n, k, panel)), line = py::ssize_t(kCacheLine / sizeof(T));
   py::array_t<T> storage(std::vector<py::ssize_t>{elems + line});
-  const py::ssize_t skip = py::ssize_t((kCacheLine - reinterpret_cast<uintptr_t>(storage.data()) % kCacheLine) % kCacheLine / sizeof(T));
-  py::array_t<T> packed(std::vector<py::ssize_t>{elems}, std::vector<py::ssize_t>{py::ssize_t(sizeof(T))},
-                        storage.mutable_data() + skip, storage);
+  T* const start = storage.mutable_data() + elements_to_line(storage.data());
+  py::array_t<T> packed(std::vector<py::ssize_t>{elems}, std::vector<py::ssize_t>{py::ssize_t(sizeof(T))}, start,
+                        storage);
   check_aligned("weight", w);
   if (w.size() > 0 && k > 1 && w.strides(1) != py::ssize_t(sizeof(T))) fail("weight: last axis must be contiguous");
   const T* src = static_cast<const T*>(w.data());

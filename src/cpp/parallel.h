@@ -38,13 +38,21 @@ inline int threads_for(double fmas, int wanted, int64_t items) {
 // line (kCacheLine), as the kernels' vector loads of it (packed GEMM panels, K/V rows) assume: a
 // 64-byte load that straddles two lines costs two (see pack_weights in bindings_mha.cpp).
 constexpr size_t kCacheLine = 64;
+
+// How many elements of T from p to the next cache line (0 when p is on one). Buffers that must
+// start on a line are allocated kCacheLine bytes larger and used from p + elements_to_line(p); p is
+// T-aligned (an allocation of T), so the distance is a whole number of elements.
+template <class T>
+size_t elements_to_line(const T* p) {
+  return (kCacheLine - reinterpret_cast<uintptr_t>(p) % kCacheLine) % kCacheLine / sizeof(T);
+}
+
 template <class Tag, class T>
 T* grow_only_scratch(size_t elems) {
   constexpr size_t kSlack = (kCacheLine + sizeof(T) - 1) / sizeof(T);
   thread_local std::vector<T> buffer;
   if (buffer.size() < elems + kSlack) buffer.resize(elems + kSlack);
-  const size_t misalign = reinterpret_cast<uintptr_t>(buffer.data()) % kCacheLine;
-  return buffer.data() + (misalign ? (kCacheLine - misalign) / sizeof(T) : 0);
+  return buffer.data() + elements_to_line(buffer.data());
 }
 
 // The calling thread's index in the current team (0 outside a parallel region).

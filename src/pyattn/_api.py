@@ -134,24 +134,24 @@ def _threads_value(num_threads):
     return min(int(num_threads), _MAX_THREADS)  # more than a C int can hold means "as many as useful"
 
 
-def _to_float32(x, threads):
+def _to_float32(x, threads, name):
     """A float16/bfloat16 array as float32; C-contiguous arrays through the core's vector conversion
     (NumPy converts float16 element by element, ~2 ms per million elements here, ml_dtypes' bfloat16
     astype ~1.5 ms). The core takes aligned arrays only (a 16-bit view at an odd address goes through
     NumPy)."""
     if x.dtype.name in _HALF_STORAGE and x.flags.c_contiguous and x.flags.aligned:
-        wide = np.empty(x.shape, np.float32)
+        wide = _allocate(x.shape, np.float32, name)
         _core._convert_half(x.view(np.uint16), wide, threads, bfloat16=x.dtype.name == "bfloat16")
         return wide
     return x.astype(np.float32)
 
 
-def _from_float32(x, dtype, dst=None, threads=0):
+def _from_float32(x, dtype, name, dst=None, threads=0):
     """float32 array x rounded to dtype (float16, bfloat16: the core's conversion), into dst if given."""
     dtype = np.dtype(dtype)
     if (dtype.name in _HALF_STORAGE and x.flags.c_contiguous
             and (dst is None or (dst.flags.c_contiguous and dst.flags.aligned))):
-        narrow = np.empty(x.shape, dtype) if dst is None else dst
+        narrow = _allocate(x.shape, dtype, name) if dst is None else dst
         _core._convert_half(x, narrow.view(np.uint16), threads, bfloat16=dtype.name == "bfloat16")
         return narrow
     if dst is None:
@@ -185,8 +185,14 @@ def _allocate(shape, dtype, name):
         raw = np.empty(nbytes + _LINE, np.uint8)
     except (MemoryError, ValueError) as exc:
         raise ValueError(f"{name}: cannot allocate an array of shape {shape} ({nbytes} bytes): {exc}") from None
-    start = -raw.ctypes.data % _LINE
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
+    return _line_view(raw, shape, dtype)
+
+
+def _line_view(raw, shape, dtype, offset=0):
+    """The (shape, dtype) C-contiguous view of the uint8 buffer raw that starts `offset` bytes past
+    its first cache line (raw holds at least _LINE + offset bytes more than the view needs)."""
+    start = -raw.ctypes.data % _LINE + offset
+    return raw[start:start + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
 
 
 def scaled_dot_product_attention(
@@ -267,12 +273,12 @@ def scaled_dot_product_attention(
     if _is_half(dtype):
         # Computed in float32. The kernels read 16-bit K/V directly, converting one key block at a
         # time; only return_weights (a rare, O(L*S) mode) works on float32 copies of K and V.
-        q = _to_float32(q, threads)
+        q = _to_float32(q, threads, "query")
         if not return_weights:
             kv_storage = _HALF_STORAGE[dtype.name]
             k, v = _kernel_layout(k).view(np.uint16), _kernel_layout(v).view(np.uint16)
         else:
-            k, v = _to_float32(k, threads), _to_float32(v, threads)
+            k, v = _to_float32(k, threads, "key"), _to_float32(v, threads, "value")
     q, k, v = (_as_heads(_kernel_layout(x, name=n)) for x, n in ((q, "query"), (k, "key"), (v, "value")))
 
     num_q_heads, q_len, head_dim = q.shape[-3:]
@@ -311,7 +317,7 @@ def scaled_dot_product_attention(
         if mask.dtype != np.bool_ and mask.dtype != dtype:
             raise TypeError(f"attn_mask: dtype must be bool or the query's dtype ({dtype}), got {mask.dtype}")
         if mask.dtype != np.bool_ and mask.dtype != q.dtype:
-            mask = _to_float32(mask, threads)  # a 16-bit float mask, widened like the inputs
+            mask = _to_float32(mask, threads, "attn_mask")  # a 16-bit float mask, widened like the inputs
         # The kernels read the mask through arbitrary strides, the last axis included.
         mask = _kernel_layout(mask, contiguous_last=False, name="attn_mask")
         full = batch + (num_q_heads, q_len, kv_len)
@@ -358,6 +364,6 @@ def scaled_dot_product_attention(
         scale_value, threads, kv_storage=kv_storage,
     )
     if out.dtype != dtype:
-        out = _from_float32(out, dtype, user_out, threads)
-        weights = None if weights is None else _from_float32(weights, dtype, threads=threads)
+        out = _from_float32(out, dtype, "out", user_out, threads)
+        weights = None if weights is None else _from_float32(weights, dtype, "return_weights", threads=threads)
     return (out, weights) if return_weights else out

@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from . import _core
-from ._api import _HALF_STORAGE, _LINE, _scale_value, _threads_value
+from ._api import _HALF_STORAGE, _LINE, _line_view, _scale_value, _threads_value
 
 
 def _storage_dtype(dtype):
@@ -51,10 +51,8 @@ _START = {2: 16, 4: 0, 8: 0}
 
 
 def _storage_zeros(shape, dtype):
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.zeros(nbytes + 2 * _LINE, np.uint8)
-    start = -raw.ctypes.data % _LINE + _START[dtype.itemsize]
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
+    raw = np.zeros(math.prod(shape) * dtype.itemsize + 2 * _LINE, np.uint8)
+    return _line_view(raw, shape, dtype, _START[dtype.itemsize])
 
 
 def _positive_int(value, name, minimum=1):
