@@ -874,6 +874,30 @@ GEMM_SIZES = (1, 7, 17, 33, 65, 129)
 GEMM_ROWS = (1, 2, 3, 4, 5, 7, 10, 17, 33, 65, 129)
 
 
+def test_linear_with_a_weight_larger_than_twice_l2(isa, rng):
+    """A packed weight over twice the L2 size gets tasks of more rows (gemm.cpp, rows_per_task: as
+    many as half of L2 holds, here 32 register tiles): row blocks of that height plus a ragged one,
+    threaded, packed and unpacked, against the float64 product."""
+    l2 = pyattn.runtime_info()["l2_cache_bytes"] or 1 << 20  # 0 where CPUID does not say: no branch to test
+    tile_rows = 6 if isa != "generic" else 4  # simd.h gemm_rows (float32)
+    k = max(64, l2 // (2 * 4 * tile_rows * 32))  # half of L2 holds 32 tiles' rows of A
+    n = 2 * l2 // (4 * k) + 70  # over twice L2 packed, and a partial last panel
+    m = 2 * 32 * tile_rows + 7
+    x = random_array(rng, (m, k), np.float32) / np.float32(np.sqrt(k))  # O(1) results for the table's atol
+    w = random_array(rng, (n, k), np.float32)
+    bias = random_array(rng, (n,), np.float32)
+    packed, panel = pyattn._core.pack_weights(w)
+    assert packed.size * 4 > 2 * l2
+    out = np.full((m, n), np.nan, np.float32)
+    pyattn._core.linear(x, packed, panel, n, bias, out, 2)
+    expected = x.astype(np.float64) @ w.astype(np.float64).T + bias
+    rtol, atol = TOL[np.float32]
+    np.testing.assert_allclose(out, expected, rtol=rtol, atol=atol)
+    unpacked = np.full((m, n), np.nan, np.float32)
+    pyattn._core.linear(x, w, panel, n, bias, unpacked, 2)
+    np.testing.assert_array_equal(unpacked, out)
+
+
 def test_pack_weights_layout(isa, dtype, rng):
     """pack_weights writes panels of `panel` output columns, k-major, zeros past n: whole lanes x lanes
     blocks through the in-register transpose, the ragged edges element by element, for every size

@@ -16,6 +16,8 @@
 //   /tmp/gh M N K SECONDS        e.g.  /tmp/gh 1344 2304 768 10
 // float32; M is rounded down to whole register tiles (so both sides do the same work); the plain
 // tile's result must equal the kernel's bit for bit (same order of the k sum), or the harness exits 1.
+// Environment: TILES = register tiles per task (default 16; linear() takes more when the packed
+// weight exceeds twice L2: rows_per_task in gemm.cpp).
 
 #include "harness.h"
 
@@ -89,7 +91,7 @@ int main(int argc, char** argv) {
   g.m = m;
   g.n = n;
   g.k = k;
-  const int64_t rows_per_task = 16 * int64_t(ks.gemm_rows);  // gemm.cpp: kTilesPerTask register tiles
+  const int64_t rows_per_task = (std::getenv("TILES") ? std::atoll(std::getenv("TILES")) : 16) * int64_t(ks.gemm_rows);  // gemm.cpp: kTilesPerTask register tiles
   auto kernel_call = [&] {
     for (int64_t r0 = 0; r0 < m; r0 += rows_per_task)
       for (int64_t p = 0; p < panels; ++p) ks.gemm(g, r0, std::min(m, r0 + rows_per_task), p, p + 1);

@@ -15,8 +15,27 @@
 namespace pyattn {
 namespace {
 
-// Rows per task: 16 register tiles (96 rows on AVX2/AVX-512) amortise the panel's trip through L2.
+// Rows per task: at least 16 register tiles (96 rows on AVX2/AVX-512) amortise the panel's trip
+// through L2.
 constexpr int64_t kTilesPerTask = 16;
+
+// A task streams its weight panel (k x panel) from L2 once per register tile, after the first tile
+// brought it there: from L3 when the packed weight is too large to stay in L2 between tasks. On a
+// Sapphire Rapids-class Xeon (2 MiB L2) that first pass took about five tiles' time (96 x 2304 x 768
+// ran at 73% of the FMA peak, 96 x 64 x 768 at 92%), and tasks of 48-56 tiles instead of 16 ran
+// 1.02-1.32x faster (tools/gemm_harness.cpp, one thread, 128-4096 x 2304-3072 x 768-1024, 12 of 12
+// alternating pairs; 63-77% of the peak -> 67-87%). Such a weight gets
+// tasks of as many rows as half of L2 holds (their A rows stay in L2 across the panels of the row
+// block). A weight under twice L2 keeps 16 tiles: 1344 x 768 x 768 (2.3 MiB packed) ran 0.87-0.96x
+// with 48, its panels partly L2-resident between row blocks.
+template <class T>
+int64_t rows_per_task(const KernelSet<T>& ks, int64_t n, int64_t k) {
+  const int64_t l2 = cache_bytes(2), row_bytes = k * int64_t(sizeof(T));
+  const int64_t packed_bytes = ceil_div(n, ks.gemm_panel) * ks.gemm_panel * row_bytes;
+  int64_t tiles = kTilesPerTask;
+  if (l2 > 0 && packed_bytes > 2 * l2) tiles = std::max(tiles, l2 / 2 / (row_bytes * ks.gemm_rows));
+  return tiles * ks.gemm_rows;
+}
 // Panels per task for one or two rows (a decode step's projections): the kernel runs up to 4 panels
 // in one pass there (AVX2, one row), and 8 panels of 16 floats are 512 output columns, so an
 // E = 768 projection still makes 6 tasks.
@@ -37,8 +56,8 @@ void linear(const GemmArgs<T>& g, int num_threads) {
   if (g.m == 0 || g.n == 0) return;
   const KernelSet<T>& ks = active_set<T>();
   const int64_t panels = ceil_div(g.n, ks.gemm_panel);
-  const int64_t rows_per_task = kTilesPerTask * ks.gemm_rows;
-  const int64_t row_blocks = ceil_div(g.m, rows_per_task);
+  const int64_t task_rows = rows_per_task(ks, g.n, g.k);
+  const int64_t row_blocks = ceil_div(g.m, task_rows);
   // One or two rows take several panels per pass (gemm.inc, gemm_short): give a task enough of them.
   const int64_t group = g.m <= 2 ? kShortPanelsPerTask : 1;
   const int64_t groups = ceil_div(panels, group);
@@ -52,10 +71,10 @@ void linear(const GemmArgs<T>& g, int num_threads) {
   T* const scratch = g.packed ? nullptr : grow_only_scratch<PackScratch, T>(std::max<size_t>(1, per_thread * size_t(threads)));
   auto body = [&](int64_t t) {
     const int64_t rb = t / groups, p0 = t % groups * group, p1 = std::min(panels, p0 + group);
-    const int64_t r0 = rb * rows_per_task, r1 = std::min(g.m, r0 + rows_per_task);
+    const int64_t r0 = rb * task_rows, r1 = std::min(g.m, r0 + task_rows);
     if (g.packed) return ks.gemm(g, r0, r1, p0, p1);
     // The same kernel over the columns of panels [p0, p1), packed first; a panel is packed once per
-    // block of rows_per_task rows, 1/rows_per_task of the multiply-adds that use it.
+    // block of task_rows rows, 1/task_rows of the multiply-adds that use it.
     const int64_t col0 = p0 * ks.gemm_panel;
     GemmArgs<T> sub = g;
     sub.w = g.w + col0 * g.w_stride;
