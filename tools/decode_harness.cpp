@@ -159,12 +159,11 @@ int main(int argc, char** argv) {
     for (int64_t c = 0; c < batch; ++c) kernels.decode(a, tile, rows, scratch.data(), state);
     seconds[static_cast<size_t>(n)] = (harness::thread_seconds() - t0) / double(batch);
   }
-  std::sort(seconds.begin(), seconds.end());
-  auto per_row = [&](double s) { return s / double(kv_len) * 1e9; };
+  auto per_row = [&](double q) { return harness::quantile(seconds, q) / double(kv_len) * 1e9; };
   std::printf("%s %s rows %lld kv_len %lld prefetch %d: ns per key row min %.2f p25 %.2f median %.2f (out[0][0] = %.6g)\n",
               PYATTN_ISA_NAME, storage_name.c_str(), static_cast<long long>(rows), static_cast<long long>(kv_len),
               int(a.prefetch_kv),
-              per_row(seconds[0]), per_row(seconds[size_t(samples / 4)]), per_row(seconds[size_t(samples / 2)]),
+              per_row(0), per_row(0.25), per_row(0.5),
               double(acc[0] / l[0]));
   return 0;
 }

@@ -131,14 +131,11 @@ int main(int argc, char** argv) {
     plain.push_back(sample(plain_call));
     ratio.push_back(kernel.back() / plain.back());
   }
-  std::sort(kernel.begin(), kernel.end());
-  std::sort(plain.begin(), plain.end());
-  std::sort(ratio.begin(), ratio.end());
-  const size_t s = kernel.size();
+  using harness::quantile;
   std::printf("%s %lldx%lldx%lld, tile %dx%d: %% of FMA peak: kernel median %.1f [p25 %.1f p75 %.1f], plain tile %.1f "
               "| kernel / plain per sample pair: median %.3f [p25 %.3f p75 %.3f] (%zu pairs)\n",
-              PYATTN_ISA_NAME, (long long)m, (long long)n, (long long)k, kRows, kVecs, 100 * kernel[s / 2],
-              100 * kernel[s / 4], 100 * kernel[s * 3 / 4], 100 * plain[s / 2], ratio[s / 2], ratio[s / 4],
-              ratio[s * 3 / 4], s);
+              PYATTN_ISA_NAME, (long long)m, (long long)n, (long long)k, kRows, kVecs, 100 * quantile(kernel, 0.5),
+              100 * quantile(kernel, 0.25), 100 * quantile(kernel, 0.75), 100 * quantile(plain, 0.5),
+              quantile(ratio, 0.5), quantile(ratio, 0.25), quantile(ratio, 0.75), kernel.size());
   return 0;
 }

@@ -15,7 +15,9 @@
 #endif
 #include "kernels.inc"
 
+#include <algorithm>
 #include <ctime>
+#include <vector>
 
 namespace harness {
 
@@ -24,6 +26,12 @@ inline double thread_seconds() {
   timespec ts;
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
   return double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9;
+}
+
+// The sample at fraction q (0 to 1) of the sorted samples: index q * n, the last one for q = 1.
+inline double quantile(std::vector<double> samples, double q) {
+  std::sort(samples.begin(), samples.end());
+  return samples[std::min(samples.size() - 1, size_t(q * double(samples.size())))];
 }
 
 }  // namespace harness

@@ -102,13 +102,11 @@ int main(int argc, char** argv) {
     peaks.push_back(peak);
     ratios.push_back(rate / peak);
   }
-  std::sort(rates.begin(), rates.end());
-  std::sort(peaks.begin(), peaks.end());
-  std::sort(ratios.begin(), ratios.end());
-  const size_t n = rates.size();
+  using harness::quantile;
   std::printf("%s q %lld kv %lld dim %lld%s: GFLOP/s median %.1f max %.1f | FMA peak median %.1f | %% of peak per sample: "
               "median %.1f p75 %.1f [%zu samples] out[0]=%.6g\n",
-              PYATTN_ISA_NAME, (long long)q_len, (long long)kv_len, (long long)dim, causal ? " causal" : "", rates[n / 2],
-              rates[n - 1], peaks[n / 2], 100.0 * ratios[n / 2], 100.0 * ratios[n * 3 / 4], n, double(out[0]));
+              PYATTN_ISA_NAME, (long long)q_len, (long long)kv_len, (long long)dim, causal ? " causal" : "",
+              quantile(rates, 0.5), quantile(rates, 1), quantile(peaks, 0.5), 100.0 * quantile(ratios, 0.5),
+              100.0 * quantile(ratios, 0.75), rates.size(), double(out[0]));
   return 0;
 }
