@@ -24,10 +24,11 @@ constexpr int64_t kTilesPerTask = 16;
 // Sapphire Rapids-class Xeon (2 MiB L2) that first pass took about five tiles' time (96 x 2304 x 768
 // ran at 73% of the FMA peak, 96 x 64 x 768 at 92%), and tasks of 48-56 tiles instead of 16 ran
 // 1.02-1.32x faster (tools/gemm_harness.cpp, one thread, 128-4096 x 2304-3072 x 768-1024, 12 of 12
-// alternating pairs; 63-77% of the peak -> 67-87%). Such a weight gets
-// tasks of as many rows as half of L2 holds (their A rows stay in L2 across the panels of the row
-// block). A weight under twice L2 keeps 16 tiles: 1344 x 768 x 768 (2.3 MiB packed) ran 0.87-0.96x
-// with 48, its panels partly L2-resident between row blocks.
+// alternating pairs; 63-77% of the peak -> 67-87%). Such a weight gets tasks of as many rows as
+// half of L2 holds (their A rows stay in L2 across the panels of the row block). A weight under
+// twice L2 keeps 16 tiles: 1344 x 768 x 768 (2.3 MiB packed) ran 0.87-0.96x with 48, its panels
+// partly L2-resident between row blocks. Prefetching the next panel into L2 during a task's tiles
+// instead measured 0.81-0.92x.
 template <class T>
 int64_t rows_per_task(const KernelSet<T>& ks, int64_t n, int64_t k) {
   const int64_t l2 = cache_bytes(2), row_bytes = k * int64_t(sizeof(T));
