@@ -20,6 +20,7 @@
 // weight exceeds twice L2: rows_per_task in gemm.cpp).
 
 #include "harness.h"
+#include "parallel.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -71,7 +72,7 @@ int main(int argc, char** argv) {
   std::mt19937 gen(1);
   std::normal_distribution<float> normal;
   // Cache-line aligned, as pyattn's own buffers are (parallel.h, grow_only_scratch).
-  auto on_line = [](std::vector<float>& x) { return x.data() + (64 - reinterpret_cast<uintptr_t>(x.data()) % 64) % 64 / 4; };
+  auto on_line = [](std::vector<float>& x) { return x.data() + elements_to_line(x.data()); };
   std::vector<float> a_buf(size_t(m * k) + 16), w(size_t(n * k)), packed_buf(size_t(n_padded * k) + 16);
   std::vector<float> c_kernel_buf(size_t(m * n_padded) + 16), c_plain_buf(size_t(m * n_padded) + 16);
   float* const a = on_line(a_buf);

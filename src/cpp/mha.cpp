@@ -40,9 +40,9 @@ struct LayerBuffers {
 // Each starts on a cache line, like the workspace itself (the kernels' vector loads of K/V rows).
 template <class T>
 LayerBuffers<T> layer_buffers(int64_t q_rows, int64_t q_width, int64_t kv_rows, int64_t kv_width) {
-  constexpr size_t kLine = kCacheLine / sizeof(T);
-  auto lines = [](size_t elems) { return (elems + kLine - 1) / kLine * kLine; };
-  const size_t q_size = lines(size_t(q_rows * q_width)), kv_size = lines(size_t(kv_rows * kv_width));
+  constexpr int64_t kLine = int64_t(kCacheLine / sizeof(T));
+  const size_t q_size = size_t(ceil_div(q_rows * q_width, kLine) * kLine);
+  const size_t kv_size = size_t(ceil_div(kv_rows * kv_width, kLine) * kLine);
   T* const q = grow_only_scratch<LayerWorkspace, T>(2 * q_size + 2 * kv_size);
   return {q, q + q_size, q + q_size + kv_size, q + q_size + 2 * kv_size};
 }
