@@ -128,10 +128,10 @@ int main(int argc, char** argv) {
 
   const DecodeTile tile{0, 0, 0, rows, 0, kv_len};
   const int64_t value_padded = kernels.decode_padded(value_dim);
-  std::vector<float> scratch(static_cast<size_t>(kernels.decode_scratch(rows, head_dim, value_dim)));
-  std::vector<float> acc(static_cast<size_t>(rows * value_padded));
-  std::vector<float> m(static_cast<size_t>(rows)), l(static_cast<size_t>(rows));
-  const RowState<float> state{acc.data(), m.data(), l.data()};
+  // Scratch and state on cache lines, as the driver's (parallel.h, grow_only_scratch).
+  Placed<float> scratch(size_t(kernels.decode_scratch(rows, head_dim, value_dim)), 0);
+  Placed<float> acc(size_t(rows * value_padded), 0), m(size_t(rows), 0), l(size_t(rows), 0);
+  const RowState<float> state{acc.data, m.data, l.data};
 
   // HARNESS_START=<unix time, seconds>: wait until then before timing, so that two harness
   // processes started side by side (one per core: the memory contention of a two-thread decode) time
@@ -148,7 +148,7 @@ int main(int argc, char** argv) {
   // from the thread CPU clock on some VMs.
   const double first = [&] {
     const double t0 = harness::thread_seconds();
-    kernels.decode(a, tile, rows, scratch.data(), state);
+    kernels.decode(a, tile, rows, scratch.data, state);
     return harness::thread_seconds() - t0;
   }();
   const int64_t batch = first > 0 ? std::max<int64_t>(1, int64_t(100e-6 / first)) : 16;
@@ -156,7 +156,7 @@ int main(int argc, char** argv) {
   std::vector<double> seconds(static_cast<size_t>(samples));
   for (int64_t n = 0; n < samples; ++n) {
     const double t0 = harness::thread_seconds();
-    for (int64_t c = 0; c < batch; ++c) kernels.decode(a, tile, rows, scratch.data(), state);
+    for (int64_t c = 0; c < batch; ++c) kernels.decode(a, tile, rows, scratch.data, state);
     seconds[static_cast<size_t>(n)] = (harness::thread_seconds() - t0) / double(batch);
   }
   auto per_row = [&](double q) { return harness::quantile(seconds, q) / double(kv_len) * 1e9; };
@@ -164,6 +164,6 @@ int main(int argc, char** argv) {
               PYATTN_ISA_NAME, storage_name.c_str(), static_cast<long long>(rows), static_cast<long long>(kv_len),
               int(a.prefetch_kv),
               per_row(0), per_row(0.25), per_row(0.5),
-              double(acc[0] / l[0]));
+              double(acc.data[0] / l.data[0]));
   return 0;
 }
