@@ -10,7 +10,9 @@
 // repeats to ~1% between runs a minute apart, though the whole machine still drifts over longer
 // spells (the same binary's minimum moved by 25% within an hour on Zen 4): build this file once
 // against each tree of decode.inc and alternate the two binaries, several rounds.
-// It is not built by CI or pip; it includes kernels.inc like kernels_<isa>.cpp does.
+// pip does not build it; it includes kernels.inc like kernels_<isa>.cpp does. It checks the kernel's
+// result against float64 before timing (exit 1 if wrong), and CI builds and runs it briefly
+// (tools/check_harnesses.sh).
 //
 // Build and run (from the repository root; AVX2: -DHARNESS_AVX2 and drop -mavx512f):
 //   g++ -O3 -std=c++17 -mavx512f -mavx2 -mfma -mf16c -Isrc/cpp tools/decode_harness.cpp -o /tmp/dh
@@ -32,6 +34,7 @@
 #include "harness.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -142,6 +145,26 @@ int main(int argc, char** argv) {
     while (clock_gettime(CLOCK_REALTIME, &ts) == 0 && double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9 < at) {
       const timespec nap{0, 1000000};
       nanosleep(&nap, nullptr);
+    }
+  }
+  // The result checked against float64 on the K/V values as stored (16-bit ones widened back).
+  kernels.decode(a, tile, rows, scratch.data, state);
+  {
+    std::vector<float> k_seen(k), v_seen(v);
+    for (size_t i = 0; half && i < k.size(); ++i)
+      k_seen[i] = storage == Storage::f16 ? PYATTN_ISA_NS::half_to_float(k16.data[i]) : PYATTN_ISA_NS::bf16_to_float(k16.data[i]);
+    for (size_t i = 0; half && i < v.size(); ++i)
+      v_seen[i] = storage == Storage::f16 ? PYATTN_ISA_NS::half_to_float(v16.data[i]) : PYATTN_ISA_NS::bf16_to_float(v16.data[i]);
+    double err = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const std::vector<double> want = harness::reference_row(&q[size_t(r * head_dim)], k_seen.data(), v_seen.data(),
+                                                              kv_len, head_dim, value_dim, a.scale);
+      for (int64_t e = 0; e < value_dim; ++e)
+        err = std::max(err, std::fabs(double(acc.data[r * value_padded + e] / l.data[r]) - want[size_t(e)]));
+    }
+    if (!(err <= harness::kMaxError)) {
+      std::fprintf(stderr, "wrong result: max |out - float64 reference| = %g\n", err);
+      return 1;
     }
   }
   // Samples of several consecutive calls, at least ~100 us each: a single short call can read as 0

@@ -9,7 +9,8 @@
 //
 // Why it exists: bench/bench_mha.py's GEMM rows move by +-15% run to run on a shared 2-vCPU VM,
 // more than the few per cent a change to the tile's prologue or epilogue is worth; one thread's CPU
-// time, alternated with the plain tile, resolves them. It is not built by CI or pip.
+// time, alternated with the plain tile, resolves them. pip does not build it; CI builds and runs it
+// briefly (tools/check_harnesses.sh).
 //
 // Build and run (from the repository root; AVX2 as here, AVX-512: drop -DHARNESS_AVX2, add -mavx512f):
 //   g++ -O3 -std=c++17 -DHARNESS_AVX2 -mavx2 -mfma -mf16c -Isrc/cpp tools/gemm_harness.cpp -o /tmp/gh
@@ -23,6 +24,7 @@
 #include "parallel.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -112,6 +114,25 @@ int main(int argc, char** argv) {
         return 1;
       }
 
+  // And against float64 A @ W.T (which the plain tile, reading the same packed panels, cannot
+  // check): rows up to ~2e7 multiply-adds, relative to the sum of |products| of each element.
+  {
+    const int64_t step = std::max<int64_t>(1, m * n * k / 20000000);
+    double err = 0;
+    for (int64_t i = 0; i < m; i = i == m - 1 ? m : std::min(m - 1, i + step))  // and the last row
+      for (int64_t j = 0; j < n; ++j) {
+        double want = 0, size = 0;
+        for (int64_t x = 0; x < k; ++x) {
+          want += double(a[i * k + x]) * double(w[size_t(j * k + x)]);
+          size += std::fabs(double(a[i * k + x]) * double(w[size_t(j * k + x)]));
+        }
+        err = std::max(err, std::fabs(double(c_kernel[i * n_padded + j]) - want) / size);
+      }
+    if (!(err <= 1e-5)) {
+      std::fprintf(stderr, "wrong result: max |C - float64 A @ W.T| / sum |products| = %g\n", err);
+      return 1;
+    }
+  }
   const double flops = 2.0 * double(m) * double(n) * double(k);
   auto sample = [&](auto&& call) {  // % of the FMA peak over ~50 ms of calls
     const double t0 = harness::thread_seconds();

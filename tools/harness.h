@@ -16,6 +16,8 @@
 #include "kernels.inc"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <ctime>
 #include <vector>
 
@@ -33,5 +35,31 @@ inline double quantile(std::vector<double> samples, double q) {
   std::sort(samples.begin(), samples.end());
   return samples[std::min(samples.size() - 1, size_t(q * double(samples.size())))];
 }
+
+// Attention of one query row over the key rows [0, n) (row-major, dim and value_dim floats), in
+// double: what the harnesses hold the kernels' output to before timing them, so that a harness run
+// is also a check (.ci/run builds and runs each briefly).
+inline std::vector<double> reference_row(const float* q, const float* k, const float* v, int64_t n, int64_t dim,
+                                         int64_t value_dim, double scale) {
+  std::vector<double> s(static_cast<size_t>(n)), out(static_cast<size_t>(value_dim), 0.0);
+  double m = -1e300, l = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    double d = 0;
+    for (int64_t x = 0; x < dim; ++x) d += double(q[x]) * double(k[j * dim + x]);
+    s[size_t(j)] = d * scale;
+    m = std::max(m, s[size_t(j)]);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const double p = std::exp(s[size_t(j)] - m);
+    l += p;
+    for (int64_t e = 0; e < value_dim; ++e) out[size_t(e)] += p * double(v[j * value_dim + e]);
+  }
+  for (double& x : out) x /= l;
+  return out;
+}
+
+// Largest |got - want| beyond which a harness reports its kernel wrong and exits 1: the float32
+// kernels measure ~1e-6 on these O(1) random inputs; a lost key block or row is off by 1e-2 or more.
+constexpr double kMaxError = 1e-4;
 
 }  // namespace harness

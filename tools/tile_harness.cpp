@@ -8,7 +8,9 @@
 // Why it exists: bench/bench_sdpa.py runs two threads with Python in the loop on a shared VM whose
 // speed drifts by 10-20%; a change of a few per cent in the tile kernel needs CPU time of one
 // thread, interleaved with the peak, and A/B builds alternated (as tools/decode_harness.cpp does for
-// the decode kernel). It is not built by CI or pip; it includes kernels.inc like kernels_<isa>.cpp.
+// the decode kernel). pip does not build it; it includes kernels.inc like kernels_<isa>.cpp. It
+// checks the output against float64 before timing (exit 1 if wrong), and CI builds and runs it
+// briefly (tools/check_harnesses.sh).
 //
 // Build and run (from the repository root; AVX2 as here, AVX-512: drop -DHARNESS_AVX2, add -mavx512f):
 //   g++ -O3 -std=c++17 -DHARNESS_AVX2 -mavx2 -mfma -mf16c -Isrc/cpp tools/tile_harness.cpp -o /tmp/th
@@ -21,6 +23,7 @@
 #include "parallel.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -85,7 +88,20 @@ int main(int argc, char** argv) {
   for (int64_t i = 0; i < q_len; ++i) pairs += causal ? double(std::min(kv_len, i + 1)) : double(kv_len);
   const double flops = 4.0 * pairs * double(dim);
 
-  one_call();  // warm-up
+  one_call();  // warm-up, and the result checked against float64 (every row up to ~2e7 multiply-adds)
+  {
+    const int64_t step = std::max<int64_t>(1, q_len * kv_len * dim / 20000000);
+    double err = 0;
+    for (int64_t i = 0; i < q_len; i = i == q_len - 1 ? q_len : std::min(q_len - 1, i + step)) {  // and the last row
+      const int64_t keys = causal ? std::min(kv_len, i + 1) : kv_len;
+      const std::vector<double> want = harness::reference_row(&q[size_t(i * dim)], k.data(), v.data(), keys, dim, dim, a.scale);
+      for (int64_t e = 0; e < dim; ++e) err = std::max(err, std::fabs(double(out[size_t(i * dim + e)]) - want[size_t(e)]));
+    }
+    if (!(err <= harness::kMaxError)) {
+      std::fprintf(stderr, "wrong result: max |out - float64 reference| = %g\n", err);
+      return 1;
+    }
+  }
   const double t_first = harness::thread_seconds();
   one_call();
   const double first = std::max(harness::thread_seconds() - t_first, 1e-7);
