@@ -452,8 +452,10 @@ def gemm_row(pyattn, case: GemmCase, args, peak) -> dict:
     x = rng.standard_normal((case.m, case.k), dtype=DTYPE)
     w = (rng.standard_normal((case.n, case.k)) / np.sqrt(case.k)).astype(DTYPE)
     packed, panel = pyattn._core.pack_weights(w)
-    out = np.empty((case.m, case.n), dtype=DTYPE)
-    out_np = np.empty_like(out)
+    # pyattn's output on a cache line, as the layer's own intermediates are (its C stores are whole
+    # lines then); NumPy's as NumPy allocates it, torch's as torch.empty does (64-byte aligned).
+    out = pyattn._api._allocate((case.m, case.n), DTYPE, "out")
+    out_np = np.empty((case.m, case.n), dtype=DTYPE)
     w_t = w.T
     fns = {
         "pyattn": lambda: pyattn._core.linear(x, packed, panel, case.n, None, out, args.threads),
