@@ -425,10 +425,28 @@ def test_outputs_start_on_a_cache_line(rng):
             out, weights = pyattn.scaled_dot_product_attention(q, q, q, return_weights=True)
             assert out.ctypes.data % 64 == 0 and weights.ctypes.data % 64 == 0, (dtype, shape)
             assert out.flags.c_contiguous and out.flags.writeable and weights.flags.c_contiguous
+            # Plain q/k/v calls take the core's one-step path, which allocates `out` itself.
+            assert pyattn.scaled_dot_product_attention(q, q, q).ctypes.data % 64 == 0, (dtype, shape)
+            assert pyattn.scaled_dot_product_attention(q, q, q, is_causal=True).ctypes.data % 64 == 0, (dtype, shape)
         x = rng.standard_normal((2, 5, 16)).astype(dtype)
         layer = pyattn.MultiHeadAttention(16, 4, dtype=dtype, seed=0)
         y, w = layer(x, need_weights=True, average_attn_weights=False)
         assert y.ctypes.data % 64 == 0 and w.ctypes.data % 64 == 0, dtype
+        assert layer(x).ctypes.data % 64 == 0, dtype
+        # Decoding: the layer's step over a KV cache, and a cache's own attend().
+        layer = pyattn.MultiHeadAttention(16, 4, dtype=dtype, seed=0, num_kv_heads=2)
+        for storage in (dtype, np.float16):
+            if storage == np.float16 and dtype != np.float32:
+                continue  # 16-bit caches compute in float32
+            cache = pyattn.KVCache(2, 2, 4, 16, dtype=storage)
+            for chunk in (3, 1, 1):
+                step = layer(rng.standard_normal((2, chunk, 16)).astype(dtype), kv_cache=cache)
+                assert step.ctypes.data % 64 == 0, (dtype, storage, chunk)
+            cache = pyattn.KVCache(2, 2, 8, 16, dtype=storage)
+            kv = rng.standard_normal((2, 2, 3, 8)).astype(dtype)
+            cache.append(kv, kv)
+            attended = cache.attend(rng.standard_normal((2, 4, 3, 8)).astype(dtype))
+            assert attended.ctypes.data % 64 == 0, (dtype, storage)
     # 16-bit inputs: computed in float32, the result rounded into a fresh 16-bit array, also on a line.
     halves = [np.float16]
     try:

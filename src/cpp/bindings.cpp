@@ -236,10 +236,12 @@ py::object sdpa_simple_t(const py::array& q, const py::array& k, const py::array
     }
   } else {
     try {
-      out = py::array_t<T>(shape);
-    } catch (const py::error_already_set&) {
+      out = array_on_line(py::dtype::of<T>(), shape, "out");
+    } catch (const py::error_already_set&) {  // the general path raises the clear error
       return py::none();
     } catch (const std::bad_alloc&) {
+      return py::none();
+    } catch (const std::invalid_argument&) {
       return py::none();
     }
   }
@@ -391,6 +393,9 @@ PYBIND11_MODULE(_core, m) {
   m.def("_set_group_tiles", &set_group_tiles, py::arg("on"),
         "Whether the query tiles take the heads of a GQA group together (1, the default) or head by "
         "head (0, for tests). Returns the previous setting.");
+  m.def("empty_on_line", &array_on_line, py::arg("dtype"), py::arg("shape"), py::arg("name"),
+        "A fresh uninitialised C-contiguous array that starts on a 64-byte cache line (a view into a "
+        "slightly larger uint8 array); `name` is the argument an error names.");
   m.def("_set_packed_mask_limit", &set_packed_mask_limit, py::arg("nbytes"),
         "Largest packed (bit) copy of a boolean mask a call makes; 0 makes the kernels read mask bytes "
         "(for tests). Returns the previous limit.");

@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from . import _core
-from ._api import _HALF_STORAGE, _LINE, _line_view, _scale_value, _threads_value
+from ._api import _HALF_STORAGE, _LINE, _allocate, _line_view, _scale_value, _threads_value
 
 
 def _storage_dtype(dtype):
@@ -303,7 +303,7 @@ class KVCache:
             v_off = (bidx * v.strides[0] + (heads // group) * v.strides[1]).reshape(-1) // item_v
             offsets = np.ascontiguousarray(np.stack([q_off, k_off, v_off, np.zeros_like(q_off)]), dtype=np.int64)
             self._offsets[key] = offsets
-        out = np.empty((self.batch, num_heads, chunk, self.value_dim), compute)
+        out = _allocate((self.batch, num_heads, chunk, self.value_dim), compute, "out")
         scale_value = _scale_value(scale, self.head_dim)
         # Positional arguments: keyword matching cost ~1 us per call.
         _core.sdpa(

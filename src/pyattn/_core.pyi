@@ -118,6 +118,10 @@ def available_isas() -> list[str]:
 def _set_isa(name: str) -> None:
     """Force a kernel ISA (for tests and benchmarks); ValueError for an unknown or unsupported one."""
 
+def empty_on_line(dtype: np.dtype, shape: Sequence[int], name: str) -> np.ndarray:
+    """A fresh uninitialised C-contiguous array that starts on a 64-byte cache line (a view into a
+    slightly larger uint8 array); `name` is the argument an error names."""
+
 def _set_packed_mask_limit(nbytes: int) -> int:
     """Largest packed (bit) copy of a boolean mask a call makes (default 8 MiB); 0 makes the kernels
     read the mask bytes themselves (for tests). Returns the previous limit."""

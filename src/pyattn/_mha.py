@@ -71,7 +71,7 @@ class _Weights:
         packed, panel = self.packed()
         index = "qkvo".index(which)
         w, b = (self.q, self.k, self.v, self.o)[index], (self.bq, self.bk, self.bv, self.bo)[index]
-        out = np.empty((x.shape[0], w.shape[0]), self.dtype)
+        out = _allocate((x.shape[0], w.shape[0]), self.dtype, "out")
         _core.linear(x, packed[index], panel, w.shape[0], b, out, threads)
         return out
 
@@ -200,7 +200,7 @@ def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, threads)
         raise ValueError(f"query: batch size must equal kv_cache.batch ({kv_cache.batch}), got {x.shape[0]}")
     batch, chunk = x.shape[0], x.shape[1]
     before, counts, end = kv_cache._plan_append(num_new, chunk)
-    out = np.empty((batch, chunk, w.embed_dim), w.dtype)
+    out = _allocate((batch, chunk, w.embed_dim), w.dtype, "out")
     packed = w.for_core()
     # One call does the step: projections, the new K/V into the cache, attention over it (as
     # KVCache.append + attend), output projection. Positional arguments: keywords cost ~1 us.
