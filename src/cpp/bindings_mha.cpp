@@ -24,7 +24,7 @@ int64_t packed_elems(int64_t n, int64_t k, int64_t panel) {
   return checked_mul(checked_mul(ceil_div(n, panel), k), panel);
 }
 
-// The packed weight starts on a cache line (a view into a slightly larger array): the GEMM
+// The packed weight starts on a cache line (array_on_line, binding_checks.h): the GEMM
 // micro-kernel loads whole 64-byte vectors of it, and NumPy's allocations are only 16-byte aligned,
 // so 3 packings in 4 had every such load straddle two lines. Aligned, the GEMM ran 1.04-1.15x
 // faster on a Sapphire Rapids-class Xeon (2026-12-03, 1 and 2 threads, M x N x K of 128-4096 x
@@ -33,11 +33,7 @@ template <class T>
 py::array_t<T> pack_weights_t(const py::array& w) {
   const KernelSet<T>& ks = active_set<T>();
   const int64_t n = w.shape(0), k = w.shape(1), panel = ks.gemm_panel;
-  const py::ssize_t elems = py::ssize_t(packed_elems(n, k, panel)), line = py::ssize_t(kCacheLine / sizeof(T));
-  py::array_t<T> storage(std::vector<py::ssize_t>{elems + line});
-  T* const start = storage.mutable_data() + elements_to_line(storage.data());
-  py::array_t<T> packed(std::vector<py::ssize_t>{elems}, std::vector<py::ssize_t>{py::ssize_t(sizeof(T))}, start,
-                        storage);
+  py::array_t<T> packed = array_on_line(py::dtype::of<T>(), {py::ssize_t(packed_elems(n, k, panel))}, "packed weight");
   check_aligned("weight", w);
   if (w.size() > 0 && k > 1 && w.strides(1) != py::ssize_t(sizeof(T))) fail("weight: last axis must be contiguous");
   const T* src = static_cast<const T*>(w.data());
