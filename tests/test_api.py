@@ -271,6 +271,36 @@ def test_set_num_threads_none_restores_default(restore_num_threads):
     assert pyattn.get_num_threads() == default
 
 
+def test_threadpoolctl_limits_pyattn(restore_num_threads, qkv):
+    """README (Threads): the OpenMP runtime shows up in threadpool_info(), a threadpool_limits(1)
+    block runs pyattn on one thread, and set_num_threads() / num_threads= take precedence."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    if not pyattn._core.openmp_enabled():
+        pytest.skip("built without OpenMP")
+    assert any(pool["user_api"] == "openmp" for pool in threadpoolctl.threadpool_info())
+    pyattn.set_num_threads(None)
+    default = pyattn.get_num_threads()
+    expected = sdpa(*qkv)
+    for user_api in (None, "openmp"):
+        with threadpoolctl.threadpool_limits(1, user_api=user_api):
+            assert pyattn.get_num_threads() == 1, user_api
+            np.testing.assert_array_equal(sdpa(*qkv), expected)
+            pyattn.set_num_threads(2)  # an explicit count wins over the limit
+            assert pyattn.get_num_threads() == 2
+            pyattn.set_num_threads(None)
+            assert pyattn.get_num_threads() == 1
+        assert pyattn.get_num_threads() == default, user_api
+
+
+@pytest.mark.parametrize("count", ["1", "3"])
+def test_omp_num_threads_is_the_default(count):
+    """README (Threads): without set_num_threads(), OMP_NUM_THREADS gives the count."""
+    result = _run_python("import pyattn; print(pyattn.get_num_threads())", OMP_NUM_THREADS=count)
+    assert result.returncode == 0, result.stderr
+    if pyattn._core.openmp_enabled():
+        assert _last_line(result.stdout) == count
+
+
 # --- sizes that cannot exist --------------------------------------------------------------------
 
 
