@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from . import _core
-from ._api import _HALF_STORAGE, _LINE, _allocate, _line_view, _scale_value, _threads_value
+from ._api import _HALF_STORAGE, _LINE, _allocate, _scale_value, _threads_value
 
 
 def _storage_dtype(dtype):
@@ -51,8 +51,11 @@ _START = {2: 16, 4: 0, 8: 0}
 
 
 def _storage_zeros(shape, dtype):
+    """Zero-filled (shape, dtype) storage that starts _START[itemsize] bytes past a cache line (a
+    view into a slightly larger uint8 buffer)."""
     raw = np.zeros(math.prod(shape) * dtype.itemsize + 2 * _LINE, np.uint8)
-    return _line_view(raw, shape, dtype, _START[dtype.itemsize])
+    start = -raw.ctypes.data % _LINE + _START[dtype.itemsize]
+    return raw[start:start + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
 
 
 def _positive_int(value, name, minimum=1):
