@@ -150,11 +150,13 @@ int main(int argc, char** argv) {
   // The result checked against float64 on the K/V values as stored (16-bit ones widened back).
   kernels.decode(a, tile, rows, scratch.data, state);
   {
-    std::vector<float> k_seen(k), v_seen(v);
-    for (size_t i = 0; half && i < k.size(); ++i)
-      k_seen[i] = storage == Storage::f16 ? PYATTN_ISA_NS::half_to_float(k16.data[i]) : PYATTN_ISA_NS::bf16_to_float(k16.data[i]);
-    for (size_t i = 0; half && i < v.size(); ++i)
-      v_seen[i] = storage == Storage::f16 ? PYATTN_ISA_NS::half_to_float(v16.data[i]) : PYATTN_ISA_NS::bf16_to_float(v16.data[i]);
+    auto as_stored = [&](const std::vector<float>& x, const uint16_t* bits) {  // 16-bit values widened back
+      std::vector<float> seen(x);
+      for (size_t i = 0; half && i < x.size(); ++i)
+        seen[i] = storage == Storage::f16 ? PYATTN_ISA_NS::half_to_float(bits[i]) : PYATTN_ISA_NS::bf16_to_float(bits[i]);
+      return seen;
+    };
+    const std::vector<float> k_seen = as_stored(k, k16.data), v_seen = as_stored(v, v16.data);
     double err = 0;
     for (int64_t r = 0; r < rows; ++r) {
       const std::vector<double> want = harness::reference_row(&q[size_t(r * head_dim)], k_seen.data(), v_seen.data(),
@@ -162,10 +164,7 @@ int main(int argc, char** argv) {
       for (int64_t e = 0; e < value_dim; ++e)
         err = std::max(err, std::fabs(double(acc.data[r * value_padded + e] / l.data[r]) - want[size_t(e)]));
     }
-    if (!(err <= harness::kMaxError)) {
-      std::fprintf(stderr, "wrong result: max |out - float64 reference| = %g\n", err);
-      return 1;
-    }
+    if (!harness::agrees(err, harness::kMaxError, "|out - float64 reference|")) return 1;
   }
   // Samples of several consecutive calls, at least ~100 us each: a single short call can read as 0
   // from the thread CPU clock on some VMs.

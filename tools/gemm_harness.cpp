@@ -21,7 +21,6 @@
 // weight exceeds twice L2: rows_per_task in gemm.cpp).
 
 #include "harness.h"
-#include "parallel.h"
 
 #include <algorithm>
 #include <cmath>
@@ -74,7 +73,7 @@ int main(int argc, char** argv) {
   std::mt19937 gen(1);
   std::normal_distribution<float> normal;
   // Cache-line aligned, as pyattn's own buffers are (parallel.h, grow_only_scratch).
-  auto on_line = [](std::vector<float>& x) { return x.data() + elements_to_line(x.data()); };
+  using harness::on_line;
   std::vector<float> a_buf(size_t(m * k) + 16), w(size_t(n * k)), packed_buf(size_t(n_padded * k) + 16);
   std::vector<float> c_kernel_buf(size_t(m * n_padded) + 16), c_plain_buf(size_t(m * n_padded) + 16);
   float* const a = on_line(a_buf);
@@ -117,9 +116,8 @@ int main(int argc, char** argv) {
   // And against float64 A @ W.T (which the plain tile, reading the same packed panels, cannot
   // check): rows up to ~2e7 multiply-adds, relative to the sum of |products| of each element.
   {
-    const int64_t step = std::max<int64_t>(1, m * n * k / 20000000);
     double err = 0;
-    for (int64_t i = 0; i < m; i = i == m - 1 ? m : std::min(m - 1, i + step))  // and the last row
+    for (const int64_t i : harness::sampled_rows(m, n * k))
       for (int64_t j = 0; j < n; ++j) {
         double want = 0, size = 0;
         for (int64_t x = 0; x < k; ++x) {
@@ -128,10 +126,7 @@ int main(int argc, char** argv) {
         }
         err = std::max(err, std::fabs(double(c_kernel[i * n_padded + j]) - want) / size);
       }
-    if (!(err <= 1e-5)) {
-      std::fprintf(stderr, "wrong result: max |C - float64 A @ W.T| / sum |products| = %g\n", err);
-      return 1;
-    }
+    if (!harness::agrees(err, 1e-5, "|C - float64 A @ W.T| / sum |products|")) return 1;
   }
   const double flops = 2.0 * double(m) * double(n) * double(k);
   auto sample = [&](auto&& call) {  // % of the FMA peak over ~50 ms of calls

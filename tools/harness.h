@@ -14,8 +14,10 @@
 #define PYATTN_SIMD_AVX512 1
 #endif
 #include "kernels.inc"
+#include "parallel.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cmath>
 #include <cstdint>
 #include <ctime>
@@ -58,8 +60,29 @@ inline std::vector<double> reference_row(const float* q, const float* k, const f
   return out;
 }
 
+// The first element of x on a cache line (x allocated 16 floats longer), as the driver's buffers
+// start (parallel.h, grow_only_scratch): std::vector promises 16 bytes only.
+inline float* on_line(std::vector<float>& x) { return x.data() + pyattn::elements_to_line(x.data()); }
+
+// Rows 0, step, 2 * step, ... and the last of n rows, step chosen so that checking them against
+// float64 takes about 2e7 multiply-adds when each row costs work_per_row.
+inline std::vector<int64_t> sampled_rows(int64_t n, int64_t work_per_row) {
+  const int64_t step = std::max<int64_t>(1, n * work_per_row / 20000000);
+  std::vector<int64_t> rows;
+  for (int64_t i = 0; i < n; i += step) rows.push_back(i);
+  if (n > 0 && rows.back() != n - 1) rows.push_back(n - 1);
+  return rows;
+}
+
 // Largest |got - want| beyond which a harness reports its kernel wrong and exits 1: the float32
 // kernels measure ~1e-6 on these O(1) random inputs; a lost key block or row is off by 1e-2 or more.
 constexpr double kMaxError = 1e-4;
+
+// Whether err is within bound; says on stderr what was wrong when it is not (or is NaN).
+inline bool agrees(double err, double bound, const char* what) {
+  if (err <= bound) return true;
+  std::fprintf(stderr, "wrong result: max %s = %g\n", what, err);
+  return false;
+}
 
 }  // namespace harness

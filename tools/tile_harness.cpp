@@ -20,7 +20,6 @@
 // head_dim (causal: allowed pairs only) / time. Environment: PREFETCH=1 sets AttnArgs::prefetch_kv.
 
 #include "harness.h"
-#include "parallel.h"
 
 #include <algorithm>
 #include <cmath>
@@ -74,7 +73,7 @@ int main(int argc, char** argv) {
   // promises 16 bytes, and the tiles run 1.24x slower on scores 16 bytes past a line.
   std::vector<float> qt(size_t(dim * block_rows) + 16), st(size_t(key_block * block_rows) + 16);
   std::vector<float> acc(size_t(block_rows * dim) + 16), row_m(size_t(block_rows) + 16), row_l(size_t(block_rows) + 16);
-  auto on_line = [](std::vector<float>& x) { return x.data() + elements_to_line(x.data()); };
+  using harness::on_line;
   Scratch<float> s{on_line(qt), on_line(st), RowState<float>{on_line(acc), on_line(row_m), on_line(row_l)}};
   auto one_call = [&] {
     for (int64_t i0 = 0; i0 < q_len; i0 += block_rows) {
@@ -90,17 +89,13 @@ int main(int argc, char** argv) {
 
   one_call();  // warm-up, and the result checked against float64 (every row up to ~2e7 multiply-adds)
   {
-    const int64_t step = std::max<int64_t>(1, q_len * kv_len * dim / 20000000);
     double err = 0;
-    for (int64_t i = 0; i < q_len; i = i == q_len - 1 ? q_len : std::min(q_len - 1, i + step)) {  // and the last row
+    for (const int64_t i : harness::sampled_rows(q_len, kv_len * dim)) {
       const int64_t keys = causal ? std::min(kv_len, i + 1) : kv_len;
       const std::vector<double> want = harness::reference_row(&q[size_t(i * dim)], k.data(), v.data(), keys, dim, dim, a.scale);
       for (int64_t e = 0; e < dim; ++e) err = std::max(err, std::fabs(double(out[size_t(i * dim + e)]) - want[size_t(e)]));
     }
-    if (!(err <= harness::kMaxError)) {
-      std::fprintf(stderr, "wrong result: max |out - float64 reference| = %g\n", err);
-      return 1;
-    }
+    if (!harness::agrees(err, harness::kMaxError, "|out - float64 reference|")) return 1;
   }
   const double t_first = harness::thread_seconds();
   one_call();
