@@ -1056,6 +1056,64 @@ def test_decode_prefetch_changes_nothing(isa, rng, name, head_dim, q_heads, kv_h
     assert_result_close(on, expected, name)
 
 
+def decode_streams(n):
+    """How many parts of a work item's keys the decode kernel reads side by side, rows in turn: -1
+    (the default) by storage and size, or 1, 2, 4 forced (a part needs a key block of its own: 128
+    keys in the compute type, 32 in 16 bits; fewer parts where an item is shorter)."""
+    return core_setting(pyattn._core._set_decode_streams, n)
+
+
+@pytest.mark.parametrize("head_dim", [32, 24])  # 24 on AVX-512: rows through scratch, one stream
+@pytest.mark.parametrize("streams", [1, 2, 4])
+@pytest.mark.parametrize("name", CACHE_DTYPES)
+def test_decode_streams_same_keys_in_another_order(isa, rng, name, streams, head_dim):
+    """Reading a work item's keys as 2 or 4 parts side by side takes the keys in another order, so the
+    sums differ in rounding only: against the reference, through a ragged KVCache (lengths around
+    the thresholds of 2 and 4 parts per item, and remainders that are not a multiple of the parts:
+    every key must be seen once, at its own position for the causal limits of 3 new tokens), and
+    through an explicit mask with holes whose forbidden keys' K/V rows hold NaN. 8 x 8 K/V heads
+    are enough tasks that no key range is split: each item is a row's whole range."""
+    dtype = np_dtype(name)
+    lengths = [1031, 1000, 515, 512, 511, 259, 129, 2]
+    batch, kv_heads, q_heads, q_len, max_len = len(lengths), 8, 16, 3, max(lengths)
+    cache = pyattn.KVCache(batch, kv_heads, head_dim, max_len, dtype=name)
+    k = random_array(rng, (batch, kv_heads, max_len, head_dim), compute_dtype(name))
+    v = random_array(rng, (batch, kv_heads, max_len, head_dim), compute_dtype(name))
+    first = [max(n - q_len, 0) for n in lengths]
+    cache.append(k[:, :, : max(first)], v[:, :, : max(first)], num_new=np.array(first))
+    new = [n - f for n, f in zip(lengths, first)]
+    take = [np.minimum(np.arange(q_len) + first[b], max_len - 1) for b in range(batch)]
+    cache.append(np.stack([k[b][:, take[b]] for b in range(batch)]), np.stack([v[b][:, take[b]] for b in range(batch)]),
+                 num_new=np.array(new))
+    assert cache.lengths.tolist() == lengths
+    q = random_array(rng, (batch, q_heads, q_len, head_dim), compute_dtype(name))
+    with decode_streams(streams):
+        got = cache.attend(q, num_threads=2)
+    for b in range(batch):
+        rows = slice(0, new[b])
+        expected = reference.scaled_dot_product_attention(
+            f64(q[b : b + 1, :, rows]), f64(cache.keys(b))[None], f64(cache.values(b))[None],
+            is_causal="lower_right", enable_gqa=True)
+        assert_close(got[b : b + 1, :, rows], expected, compute_dtype(name).type)
+
+    kv_len = 1100
+    q2, k2, v2 = make_qkv(rng, dtype, batch=(batch,), q_heads=q_heads, kv_heads=kv_heads, q_len=2, kv_len=kv_len,
+                          head_dim=head_dim, guard=False)
+    key_ok = rng.random(kv_len) < 0.8
+    key_ok[600:700] = False
+    mask = key_ok & (rng.random((batch, 1, 2, kv_len)) < 0.9)
+    clean_k, clean_v = f64(k2), f64(v2)
+    for x, clean in ((k2, clean_k), (v2, clean_v)):
+        x[..., ~key_ok, :] = np.nan
+        clean[..., ~key_ok, :] = 0.0
+    with decode_streams(streams):
+        got = sdpa(q2, k2, v2, mask, is_causal="lower_right", enable_gqa=True)
+    assert np.isfinite(f64(got)).all()
+    expected = reference.scaled_dot_product_attention(f64(q2), clean_k, clean_v, mask, is_causal="lower_right",
+                                                      enable_gqa=True)
+    assert_result_close(got, expected, name)
+
+
 @pytest.mark.parametrize("name", CACHE_DTYPES)
 def test_cache_attend_and_layer_bitwise_across_thread_counts(isa, rng, name):
     np_dtype(name)

@@ -58,6 +58,7 @@ std::atomic<int> g_default_threads{0};  // set_num_threads(); read by every call
 constexpr int64_t kMaxPackedMaskBytes = int64_t(8) << 20;
 std::atomic<int64_t> g_packed_mask_limit{kMaxPackedMaskBytes};
 std::atomic<int> g_prefetch{-1};  // set_prefetch: -1 by cache sizes, 0 never, 1 K/V rows, 2 next items
+std::atomic<int> g_decode_streams{-1};  // set_decode_streams: -1 by storage and size, else 1, 2 or 4
 std::atomic<int> g_group_tiles{1};  // set_group_tiles: 1 GQA groups' heads together, 0 head by head
 
 // The last-level cache in bytes (L3, else L2; 0 when CPUID does not tell): what decides whether a
@@ -266,6 +267,19 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
                                : busy_rows && llc > 0 && 2 * kv_bytes >= llc;
     const int mode = g_prefetch.load(std::memory_order_relaxed);
     a.prefetch_kv = mode < 0 ? by_size : mode == 1;
+    // How many parts of each work item's key range the kernel reads side by side (decode.inc,
+    // decode_blocks): reading one K (or V) stream front to back, a core keeps too few lines in flight
+    // to reach the memory's bandwidth. Measured on a Sapphire Rapids-class Xeon VM (2 threads,
+    // KVCache.attend, 32 query heads, head_dim 128, one stream / two / four alternating in one
+    // process, medians of 9-15 rounds): float32 K/V from memory (128 MiB-2 GiB) 1.11-1.21x /
+    // 1.15-1.28x faster, held in the L3 (16-32 MiB) 0.97-1.07x / 0.98-1.07x, cold (the caches evicted
+    // before each call, as a model's other layers do) 32 MiB 1.14-1.18x / 1.27-1.31x; 16-bit K/V from
+    // memory (64-512 MiB) 1.08-1.21x / 1.15-1.32x, cold 4-64 MiB 1.03-1.26x / 1.03-1.34x, but held in
+    // the L3 (4-32 MiB) 0.93-1.00x / 0.90-0.96x, where arithmetic bounds the step (conversions, four
+    // query rows per K/V row) and more streams only cost. Hence four parts, for 16-bit K/V from half
+    // the last-level cache on (the AMD prefetch rule's "from memory", above). Unmeasured on AMD.
+    const int streams = g_decode_streams.load(std::memory_order_relaxed);
+    a.decode_streams = streams > 0 ? streams : a.kv_storage == Storage::same || (llc > 0 && 2 * kv_bytes >= llc) ? 4 : 1;
   }
   const int64_t group = a.group;
   const int64_t kv_heads = a.num_heads / group;  // key/value heads per batch entry
@@ -564,6 +578,9 @@ void set_default_num_threads(int n) { g_default_threads.store(n > 0 ? n : 0, std
 int64_t set_packed_mask_limit(int64_t bytes) { return g_packed_mask_limit.exchange(bytes < 0 ? 0 : bytes); }
 int set_prefetch(int mode) { return g_prefetch.exchange(mode < 0 ? -1 : (mode > 2 ? 2 : mode)); }
 int set_group_tiles(int on) { return g_group_tiles.exchange(on ? 1 : 0); }
+int set_decode_streams(int streams) {
+  return g_decode_streams.exchange(streams < 0 ? -1 : streams >= 4 ? 4 : streams >= 2 ? 2 : 1);
+}
 
 bool openmp_enabled() {
 #if defined(PYATTN_OPENMP)

@@ -96,6 +96,9 @@ struct AttnArgs {
   // Set by the driver when K and V will come from memory rather than from caches (see attention.cpp):
   // the tiles then prefetch the rows they read next, the decode kernel the rows 16 KiB ahead.
   bool prefetch_kv = false;
+  // How many parts of a work item's key range the decode kernel reads side by side, row by row in
+  // turn: 1, 2 or 4 (decode.inc, decode_blocks); set by the driver (attend_decode).
+  int decode_streams = 1;
 
   T* out_rows(int64_t bh) const { return out + (bh / num_heads) * out_stride_b + (bh % num_heads) * out_stride_h; }
   int64_t kv_len_of(int64_t bh) const { return kv_lens ? kv_lens[bh / num_heads] : kv_len; }
@@ -338,6 +341,10 @@ int set_prefetch(int mode);
 // Whether the query tiles take a GQA group's heads together (KernelSet::attend_group; 1, the
 // default) or head by head (0, for tests). Returns the previous setting.
 int set_group_tiles(int on);
+// How many parts of a work item's keys the decode kernel reads side by side: -1 decided per call
+// (attend_decode, the default), or 1, 2 or 4 always (tests and measurements). Returns the previous
+// setting.
+int set_decode_streams(int streams);
 bool openmp_enabled();
 const char* openmp_runtime();
 

@@ -393,6 +393,9 @@ PYBIND11_MODULE(_core, m) {
   m.def("_set_group_tiles", &set_group_tiles, py::arg("on"),
         "Whether the query tiles take the heads of a GQA group together (1, the default) or head by "
         "head (0, for tests). Returns the previous setting.");
+  m.def("_set_decode_streams", &set_decode_streams, py::arg("streams"),
+        "How many parts of a work item's keys the decode kernel reads side by side: -1 decided per call "
+        "(the default), 1, 2 or 4 always (for tests). Returns the previous setting.");
   m.def("empty_on_line", &array_on_line, py::arg("dtype"), py::arg("shape"), py::arg("name"),
         "A fresh uninitialised C-contiguous array that starts on a 64-byte cache line (a view into a "
         "slightly larger uint8 array); `name` is the argument an error names.");

@@ -135,6 +135,10 @@ def _set_group_tiles(on: int) -> int:
     """Whether the query tiles take the heads of a GQA group together (1, the default) or head by
     head (0, for tests). Returns the previous setting."""
 
+def _set_decode_streams(streams: int) -> int:
+    """How many parts of a work item's keys the decode kernel reads side by side: -1 decided per
+    call (the default), 1, 2 or 4 always (for tests). Returns the previous setting."""
+
 def _convert_half(src: np.ndarray, dst: np.ndarray, num_threads: int = 0, bfloat16: bool = False) -> None:
     """float16 bit patterns (uint16) to float32 or float32 to float16 bits, C-contiguous arrays of the
     same size aligned to their element size, rounding to nearest even like NumPy's astype;
