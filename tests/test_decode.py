@@ -994,6 +994,37 @@ def test_decode_path_bitwise_across_thread_counts(isa, rng, name, q_len):
         np.testing.assert_array_equal(f64(r), f64(results[0]))
 
 
+def ragged_cache_step(rng, name, lengths, kv_heads, q_heads, head_dim, q_len):
+    """A KVCache whose batch row b holds lengths[b] tokens, the last min(q_len, lengths[b]) of them
+    appended as one right-padded chunk, and that chunk's queries. Returns (cache, q, new): new[b] =
+    row b's real queries (the first new[b] of the chunk)."""
+    batch, max_len = len(lengths), max(lengths)
+    cache = pyattn.KVCache(batch, kv_heads, head_dim, max_len, dtype=name)
+    k = random_array(rng, (batch, kv_heads, max_len, head_dim), compute_dtype(name))
+    v = random_array(rng, (batch, kv_heads, max_len, head_dim), compute_dtype(name))
+    first = [n - q_len if n >= q_len else 0 for n in lengths]
+    cache.append(k[:, :, : max(first)], v[:, :, : max(first)], num_new=np.array(first))
+    new = [n - f for n, f in zip(lengths, first)]
+    chunk = max(new)
+    take = [np.minimum(np.arange(chunk) + first[b], max_len - 1) for b in range(batch)]  # row b's next keys
+    kn = np.stack([k[b][:, take[b]] for b in range(batch)])
+    vn = np.stack([v[b][:, take[b]] for b in range(batch)])
+    cache.append(kn, vn, num_new=np.array(new))
+    assert cache.lengths.tolist() == list(lengths)
+    q = random_array(rng, (batch, q_heads, chunk, head_dim), compute_dtype(name))
+    return cache, q, new
+
+
+def assert_cache_step_close(got, cache, q, new, name):
+    """got (an attend of the chunk) against the reference, row by row over each row's real queries."""
+    for b in range(len(new)):
+        rows = slice(0, new[b])  # right padding: row b's real queries come first
+        expected = reference.scaled_dot_product_attention(
+            f64(q[b : b + 1, :, rows]), f64(cache.keys(b))[None], f64(cache.values(b))[None],
+            is_causal="lower_right", enable_gqa=True)
+        assert_close(got[b : b + 1, :, rows], expected, compute_dtype(name).type)  # the stored values, exactly
+
+
 def prefetch(mode):
     """The software prefetch of K/V: 1 forced on, 0 off, -1 (the default): the decode kernel prefetches
     by vendor and sizes (AMD: 16-bit K and V that outgrow half the last-level cache; Intel: any K and
@@ -1017,31 +1048,13 @@ def test_decode_prefetch_changes_nothing(isa, rng, name, head_dim, q_heads, kv_h
     some shorter than the prefetch distance) and through a split long call whose forbidden keys' rows
     hold NaN (the prefetches touch them too); both against the reference."""
     dtype = np_dtype(name)
-    batch, max_len = len(lengths), max(lengths)
-    cache = pyattn.KVCache(batch, kv_heads, head_dim, max_len, dtype=name)
-    k = random_array(rng, (batch, kv_heads, max_len, head_dim), compute_dtype(name))
-    v = random_array(rng, (batch, kv_heads, max_len, head_dim), compute_dtype(name))
-    first = [n - q_len if n >= q_len else 0 for n in lengths]
-    cache.append(k[:, :, : max(first)], v[:, :, : max(first)], num_new=np.array(first))
-    new = [n - f for n, f in zip(lengths, first)]
-    chunk = max(new)
-    take = [np.minimum(np.arange(chunk) + first[b], max_len - 1) for b in range(batch)]  # row b's next keys
-    kn = np.stack([k[b][:, take[b]] for b in range(batch)])
-    vn = np.stack([v[b][:, take[b]] for b in range(batch)])
-    cache.append(kn, vn, num_new=np.array(new))
-    assert cache.lengths.tolist() == lengths
-    q = random_array(rng, (batch, q_heads, chunk, head_dim), compute_dtype(name))
+    cache, q, new = ragged_cache_step(rng, name, lengths, kv_heads, q_heads, head_dim, q_len)
     with prefetch(1):
         on = cache.attend(q, num_threads=2)
     with prefetch(0):
         off = cache.attend(q, num_threads=2)
     np.testing.assert_array_equal(f64(on), f64(off))
-    for b, n in enumerate(lengths):
-        rows = slice(0, new[b])  # right padding: row b's real queries come first
-        expected = reference.scaled_dot_product_attention(
-            f64(q[b : b + 1, :, rows]), f64(cache.keys(b))[None], f64(cache.values(b))[None],
-            is_causal="lower_right", enable_gqa=True)
-        assert_close(on[b : b + 1, :, rows], expected, compute_dtype(name).type)  # the stored values, exactly
+    assert_cache_step_close(on, cache, q, new, name)
 
     # The split path (12 key chunks per task) with NaN rows at forbidden keys.
     q2, k2, v2, mask, clean_k, clean_v = long_kv_inputs(rng, dtype, min(q_len, DECODE_MAX), head_dim=head_dim)
@@ -1075,26 +1088,11 @@ def test_decode_streams_same_keys_in_another_order(isa, rng, name, streams, head
     are enough tasks that no key range is split: each item is a row's whole range."""
     dtype = np_dtype(name)
     lengths = [1031, 1000, 515, 512, 511, 259, 129, 2]
-    batch, kv_heads, q_heads, q_len, max_len = len(lengths), 8, 16, 3, max(lengths)
-    cache = pyattn.KVCache(batch, kv_heads, head_dim, max_len, dtype=name)
-    k = random_array(rng, (batch, kv_heads, max_len, head_dim), compute_dtype(name))
-    v = random_array(rng, (batch, kv_heads, max_len, head_dim), compute_dtype(name))
-    first = [max(n - q_len, 0) for n in lengths]
-    cache.append(k[:, :, : max(first)], v[:, :, : max(first)], num_new=np.array(first))
-    new = [n - f for n, f in zip(lengths, first)]
-    take = [np.minimum(np.arange(q_len) + first[b], max_len - 1) for b in range(batch)]
-    cache.append(np.stack([k[b][:, take[b]] for b in range(batch)]), np.stack([v[b][:, take[b]] for b in range(batch)]),
-                 num_new=np.array(new))
-    assert cache.lengths.tolist() == lengths
-    q = random_array(rng, (batch, q_heads, q_len, head_dim), compute_dtype(name))
+    batch, kv_heads, q_heads = len(lengths), 8, 16
+    cache, q, new = ragged_cache_step(rng, name, lengths, kv_heads, q_heads, head_dim, q_len=3)
     with decode_streams(streams):
         got = cache.attend(q, num_threads=2)
-    for b in range(batch):
-        rows = slice(0, new[b])
-        expected = reference.scaled_dot_product_attention(
-            f64(q[b : b + 1, :, rows]), f64(cache.keys(b))[None], f64(cache.values(b))[None],
-            is_causal="lower_right", enable_gqa=True)
-        assert_close(got[b : b + 1, :, rows], expected, compute_dtype(name).type)
+    assert_cache_step_close(got, cache, q, new, name)
 
     kv_len = 1100
     q2, k2, v2 = make_qkv(rng, dtype, batch=(batch,), q_heads=q_heads, kv_heads=kv_heads, q_len=2, kv_len=kv_len,
