@@ -1112,6 +1112,113 @@ def test_decode_streams_same_keys_in_another_order(isa, rng, name, streams, head
     assert_result_close(got, expected, name)
 
 
+# The child process of test_mask_padding_k_v_rows_are_never_read (argv[1]: the ISA). K and V of each
+# head are laid out as [left padding | keys | right padding] in anonymous memory, the pages wholly
+# inside the padding are made unreadable (PROT_NONE), and a mask forbids the padding to every query
+# row: a decode call that reads a padded key row dies with SIGSEGV. Hardware and software
+# prefetches of such pages do not fault; only real loads do. The reference is computed from copies
+# taken before the pages are closed.
+PADDING_CHILD = r"""
+import ctypes, mmap, sys
+import numpy as np
+import pyattn
+from pyattn import reference
+try:
+    import ml_dtypes
+except ImportError:
+    ml_dtypes = None
+
+PAGE = mmap.PAGESIZE
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+pyattn._core._set_isa(sys.argv[1])
+DECODE_MAX = pyattn._core.DECODE_MAX_Q_LEN
+rng = np.random.default_rng(7)
+names = ["float32", "float16"] + (["bfloat16"] if ml_dtypes is not None else [])
+tol = {"float32": (2e-5, 2e-6), "float16": (1e-3, 2e-5), "bfloat16": (8e-3, 2e-5)}
+closed = []
+
+
+def padded_kv(dtype, kv_heads, left, keys, right, dim):
+    rows = left + keys + right
+    item = np.dtype(dtype).itemsize
+    mm = mmap.mmap(-1, kv_heads * rows * dim * item + PAGE)
+    x = np.frombuffer(mm, dtype=dtype, count=kv_heads * rows * dim).reshape(1, kv_heads, rows, dim)
+    x[...] = rng.standard_normal(x.shape).astype(dtype)
+    base = x.ctypes.data
+    spans = []  # byte ranges of each head's padding
+    for h in range(kv_heads):
+        head = h * rows * dim * item
+        spans += [(head, head + left * dim * item), (head + (left + keys) * dim * item, head + rows * dim * item)]
+    return mm, x, base, spans
+
+
+def close(base, spans):
+    for lo, hi in spans:
+        lo_page = -(-(base + lo) // PAGE) * PAGE
+        hi_page = (base + hi) // PAGE * PAGE
+        if hi_page > lo_page:
+            assert libc.mprotect(lo_page, hi_page - lo_page, 0) == 0, ctypes.get_errno()
+            closed.append((lo_page, hi_page - lo_page))
+    return sum(n for _, n in closed)
+
+
+for name in names:
+    dtype = np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+    for dim in (64, 24):
+        for left, right in ((0, 700), (700, 0), (650, 900)):
+            keys, kv_heads, q_heads = 1500, 2, 4
+            mk, k, kb, kspans = padded_kv(dtype, kv_heads, left, keys, right, dim)
+            mv, v, vb, vspans = padded_kv(dtype, kv_heads, left, keys, right, dim)
+            rows = left + keys + right
+            for q_len in (1, 3, 17, 64):  # the decode kernel, then the query tiles
+                q = rng.standard_normal((1, q_heads, q_len, dim)).astype(dtype)
+                # Every query row its own mask: holes inside, and rows that cut more than the padding,
+                # so the span read is the union over a GQA group's rows.
+                mask = rng.random((1, q_heads, q_len, rows)) < 0.9
+                mask[..., :left] = False
+                mask[..., left + keys:] = False
+                mask[:, 1, :, left:left + 37] = False
+                mask[:, 2, :, left + keys - 50:] = False
+                expected = reference.scaled_dot_product_attention(
+                    q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask, enable_gqa=True)
+                shut = close(kb, kspans) + close(vb, vspans)
+                assert shut >= 2 * PAGE, "no page inside the padding to close"
+                # Decode: the key range as 1, 2 and 4 parts; query tiles: GQA group tiles (16-bit K/V
+                # converted a block at a time for the group's heads) and head by head.
+                settings = [(pyattn._core._set_decode_streams, n) for n in (1, 2, 4)] if q_len <= DECODE_MAX else [
+                    (pyattn._core._set_group_tiles, n) for n in (1, 0)]
+                for setter, n in settings:
+                    previous = setter(n)
+                    got = pyattn.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, num_threads=2)
+                    setter(previous)
+                    np.testing.assert_allclose(got.astype(np.float64), expected, *tol[name],
+                                               err_msg=f"{name} dim {dim} pads {left}/{right} q_len {q_len}")
+                for lo, n in closed:
+                    assert libc.mprotect(lo, n, 3) == 0
+                closed.clear()
+print("ok")
+"""
+
+
+def test_mask_padding_k_v_rows_are_never_read(isa):
+    """Keys that a mask forbids to every query row at either end of the range (left or right
+    padding) are not read at all: by the decode kernel, whether it reads the range as one part or as
+    several side by side, and by the query tiles, head by head or as GQA group tiles (which convert
+    16-bit K/V for the group's heads at once). K and V rows there lie on unreadable pages, so a read
+    kills the child process (SIGSEGV). The results are held to the reference. float32 / float16 /
+    bfloat16, head_dim 64 (rows read in place) and 24 (through scratch blocks), 1, 3, 17 and 64
+    query rows, a mask per query row."""
+    import subprocess
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("needs mprotect through ctypes (Linux)")
+    done = subprocess.run([sys.executable, "-c", PADDING_CHILD, isa], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (
+        f"return code {done.returncode} (-11: a padded K/V row was read)\n{done.stdout}\n{done.stderr[-3000:]}")
+
+
 @pytest.mark.parametrize("name", CACHE_DTYPES)
 def test_cache_attend_and_layer_bitwise_across_thread_counts(isa, rng, name):
     np_dtype(name)
