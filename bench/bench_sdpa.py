@@ -22,7 +22,9 @@ What is measured, per (shape, variant) row, all in float32 with the same thread 
   the peers' blocks, so a slow spell of the machine hits every library alike), GFLOP/s, % of the FMA peak
   measured right before and after the row (the higher one; the header's peak is the run's start),
   and for decode rows the K+V read bandwidth (GB/s, % of the measured read bandwidth, and %rd: % of a
-  plain streaming read of that row's own K and V arrays, which shares their page backing);
+  plain streaming read of that row's own K and V arrays, which shares their page backing). Like
+  GFLOP/s, GB/s counts all of K and V on ``mask`` rows, though pyattn does not read the padding (the
+  last 25% of keys), so those rows can pass 100%;
 * max abs error of pyattn's output against ``pyattn.reference`` (float64). Rows with
   B*H*L*S > 2**23 are checked on the first batch and head only (inputs sliced to [:1, :1]);
 * peers: "numpy" (a float32 NumPy implementation, ``_common.numpy_attention``: matmul, masked
@@ -401,8 +403,9 @@ def print_header(info: dict, peers: list[str]) -> None:
     print("dtype float32; times in ms = median over runs (min ms = fastest run); warm-up excluded")
     print("GFLOP/s = 4*B*H*D*pairs / time; none/mask rows count all L*S pairs, causal only allowed ones")
     print("%peak = of the FMA peak measured right before and after the row (the higher; the machine drifts)")
-    print("GB/s (decode rows only) = bytes of K+V / time; %bw = of the read bandwidth above; %rd = of a plain"
-          " streaming read of the row's own K and V arrays (pyattn._core.read_buffers_gbs, same threads)")
+    print("GB/s (decode rows only) = bytes of K+V / time (mask rows: all of K+V, though the padding is not"
+          " read); %bw = of the read bandwidth above; %rd = of a plain streaming read of the row's own K and V"
+          " arrays (pyattn._core.read_buffers_gbs, same threads)")
     print(
         "bg = CPUs other processes kept busy during the row (machine busy time - this process's);"
         f" rows with bg > {BUSY_WARN_CPUS} are noisy"
