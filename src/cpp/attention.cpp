@@ -248,6 +248,8 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
   //   16k 1.12x, 64k 1.13x, B = 8 at 4k 1.12x (after the V sub-blocks: 16k 1.05x, 64k 1.06x, B = 8
   //   1.07x); 32 K/V heads with 4 new tokens 1.06x; 2 query rows per K/V row (16 K/V heads, or 32
   //   with 2 new tokens) 0.99-1.03x and one row 1.03x (left off).
+  //   All of that was measured with the key range read as one stream; since the four parts (below)
+  //   AMD prefetches only where 4+ query rows share each K/V row: for one or two the parts do it.
   // * Intel (a Sapphire Rapids-class Xeon VM: 2 MiB L2, a 480 MiB L3 shared with other tenants):
   //   every K/V that outgrows the threads' L2s gains, from the L3 as from memory, float32 too.
   //   float16 16 MiB 1.03-1.06x, 64 MiB 1.19x, 128 MiB (B = 8 at 4k) 1.99x, bfloat16 64 MiB 1.10x,
@@ -263,8 +265,12 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
     // vectors (8 float32 lanes).
     const bool busy_rows = a.kv_storage != Storage::same ||
                            (sizeof(T) == 4 && ks.lanes <= 8 && a.group * a.q_len >= 4);
+    const bool from_memory = llc > 0 && 2 * kv_bytes >= llc;
+    // On AMD, where a K/V row serves fewer than 4 query rows, the four parts below replace software
+    // prefetching instead of adding to it (measured on Zen 3 since the parts, below).
+    const bool amd_prefetch = busy_rows && from_memory && a.group * a.q_len >= 4;
     const bool by_size = cpu_is_intel() ? l2 > 0 && kv_bytes > int64_t(std::max(num_threads, 1)) * l2
-                               : busy_rows && llc > 0 && 2 * kv_bytes >= llc;
+                         : amd_prefetch;
     const int mode = g_prefetch.load(std::memory_order_relaxed);
     a.prefetch_kv = mode < 0 ? by_size : mode == 1;
     // How many parts of each work item's key range the kernel reads side by side (decode.inc,
@@ -277,9 +283,19 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
     // memory (64-512 MiB) 1.08-1.21x / 1.15-1.32x, cold 4-64 MiB 1.03-1.26x / 1.03-1.34x, but held in
     // the L3 (4-32 MiB) 0.93-1.00x / 0.90-0.96x, where arithmetic bounds the step (conversions, four
     // query rows per K/V row) and more streams only cost. Hence four parts, for 16-bit K/V from half
-    // the last-level cache on (the AMD prefetch rule's "from memory", above). Unmeasured on AMD.
+    // the last-level cache on (the AMD prefetch rule's "from memory", above).
+    // On AMD (a Zen 3 VM, AVX2: 2 threads, the same calls, medians of 31 rounds, two runs) the parts
+    // and software prefetching do not add up: with both, a step was slower than with either alone.
+    // Where 4 query rows share each K/V row (8 K/V heads; 1k-64k keys and B = 8 at 4k), prefetching
+    // with one part was 1.02-1.18x faster than both together, and four parts without prefetching
+    // about as fast as prefetching with one (0.90-1.15x of it, the geometric mean ~0.98x); with one
+    // query row per 16-bit K/V row (32 K/V heads), four parts without prefetching were 1.14-1.38x
+    // faster than prefetching with one part (4k-64k keys, B = 8 at 4k) and 1.19-1.30x faster than
+    // both. Hence on AMD: software prefetching with one part for busy GQA groups from memory (the
+    // rule above), else the parts as on Intel. (Zen 4 unmeasured since the parts.)
     const int streams = g_decode_streams.load(std::memory_order_relaxed);
-    a.decode_streams = streams > 0 ? streams : a.kv_storage == Storage::same || (llc > 0 && 2 * kv_bytes >= llc) ? 4 : 1;
+    const int by_rule = !cpu_is_intel() && a.prefetch_kv ? 1 : a.kv_storage == Storage::same || from_memory ? 4 : 1;
+    a.decode_streams = streams > 0 ? streams : by_rule;
   }
   const int64_t group = a.group;
   const int64_t kv_heads = a.num_heads / group;  // key/value heads per batch entry
