@@ -286,13 +286,14 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
     // the last-level cache on (the AMD prefetch rule's "from memory", above).
     // On AMD (a Zen 3 VM, AVX2: 2 threads, the same calls, medians of 31 rounds, two runs) the parts
     // and software prefetching do not add up: with both, a step was slower than with either alone.
-    // Where 4 query rows share each K/V row (8 K/V heads; 1k-64k keys and B = 8 at 4k), prefetching
-    // with one part was 1.02-1.18x faster than both together, and four parts without prefetching
-    // about as fast as prefetching with one (0.90-1.15x of it, the geometric mean ~0.98x); with one
-    // query row per 16-bit K/V row (32 K/V heads), four parts without prefetching were 1.14-1.38x
-    // faster than prefetching with one part (4k-64k keys, B = 8 at 4k) and 1.19-1.30x faster than
-    // both. Hence on AMD: software prefetching with one part for busy GQA groups from memory (the
-    // rule above), else the parts as on Intel. (Zen 4 unmeasured since the parts.)
+    // Where 4 query rows share each K/V row (8 K/V heads; 4k-64k keys and B = 8 at 4k), prefetching
+    // with one part was 0.98-1.18x as fast as both together (mostly 1.05-1.16x), and four parts
+    // without prefetching about as fast as prefetching with one (0.90-1.15x of it, the geometric
+    // mean ~0.98x); with one query row per 16-bit K/V row (32 K/V heads), four parts without
+    // prefetching were 1.14-1.38x faster than prefetching with one part (4k-64k keys, B = 8 at 4k)
+    // and 1.19-1.30x faster than both (16k). Hence on AMD: software prefetching with one part for
+    // busy GQA groups from memory (the rule above), else the parts as on Intel. (Zen 4 unmeasured
+    // since the parts.)
     const int streams = g_decode_streams.load(std::memory_order_relaxed);
     const int by_rule = !cpu_is_intel() && a.prefetch_kv ? 1 : a.kv_storage == Storage::same || from_memory ? 4 : 1;
     a.decode_streams = streams > 0 ? streams : by_rule;
