@@ -1117,6 +1117,38 @@ def test_decode_streams_same_keys_in_another_order(isa, rng, name, streams, head
     assert_result_close(got, expected, name)
 
 
+
+@pytest.mark.parametrize("kv_heads, parts", [(8, 1), (32, 4)])
+def test_decode_parts_by_default_on_amd(isa, rng, kv_heads, parts):
+    """On AMD the decode kernel either prefetches in software or reads its key ranges as four parts,
+    never both (attend_decode): a float16 cache that outgrows half the last-level cache is read as
+    one part (prefetched) when four query rows share each K/V row (32 query heads over 8), and as
+    four (not prefetched) with one query row per K/V row. The part count sets the order the keys are
+    summed in, so the default call's bits show which one it took."""
+    info = pyattn.runtime_info()
+    if info["cpu_vendor"] != "AuthenticAMD":
+        pytest.skip("the rule under test is AMD's")
+    llc = max(info["l3_cache_bytes"], info["l2_cache_bytes"])
+    head_dim, q_heads = 128, 32
+    row_bytes = kv_heads * 2 * head_dim * 2  # K and V of one token, all heads, float16
+    kv_len = -(-llc // (2 * row_bytes)) // 128 * 128 + 128  # K and V at least half the last-level cache
+    if kv_len * row_bytes > 256 << 20:
+        pytest.skip("last-level cache too large for a quick test")
+    cache = pyattn.KVCache(1, kv_heads, head_dim, kv_len, dtype=np.float16)
+    k = random_array(rng, (1, kv_heads, kv_len, head_dim), np.float32, guard=False)
+    v = random_array(rng, (1, kv_heads, kv_len, head_dim), np.float32, guard=False)
+    cache.append(k[:, :, :-1], v[:, :, :-1])
+    cache.append(k[:, :, -1:], v[:, :, -1:])
+    q = random_array(rng, (1, q_heads, 1, head_dim), np.float32)
+    got = cache.attend(q, num_threads=2)
+    by_parts = {}
+    for n in (1, 4):
+        with decode_streams(n):
+            by_parts[n] = cache.attend(q, num_threads=2)
+    assert not np.array_equal(by_parts[1], by_parts[4]), "one part and four agree bit for bit: nothing to tell"
+    np.testing.assert_array_equal(got, by_parts[parts])
+
+
 # The child process of test_mask_padding_k_v_rows_are_never_read (argv[1]: the ISA). K and V of each
 # head are laid out as [left padding | keys | right padding] in anonymous memory, the pages wholly
 # inside the padding are made unreadable (PROT_NONE), and a mask forbids the padding to every query

@@ -261,16 +261,14 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
   {
     const int64_t llc = last_level_cache_bytes(), l2 = cache_bytes(2);
     const int64_t kv_bytes = a.batch_heads / a.group * a.kv_len * (a.head_dim + a.value_dim) * a.kv_item_bytes();
-    // Long arithmetic per K/V row (AMD): 16-bit rows, or float32 rows for 4+ query rows in 256-bit
-    // vectors (8 float32 lanes).
-    const bool busy_rows = a.kv_storage != Storage::same ||
-                           (sizeof(T) == 4 && ks.lanes <= 8 && a.group * a.q_len >= 4);
+    // Long arithmetic per K/V row (AMD): 4+ query rows share each row, and it is 16-bit or float32 in
+    // 256-bit vectors (8 float32 lanes). Where fewer rows share it, the four parts below replace
+    // software prefetching instead of adding to it (measured on Zen 3 since the parts, below).
+    const bool busy_rows =
+        a.group * a.q_len >= 4 && (a.kv_storage != Storage::same || (sizeof(T) == 4 && ks.lanes <= 8));
     const bool from_memory = llc > 0 && 2 * kv_bytes >= llc;
-    // On AMD, where a K/V row serves fewer than 4 query rows, the four parts below replace software
-    // prefetching instead of adding to it (measured on Zen 3 since the parts, below).
-    const bool amd_prefetch = busy_rows && from_memory && a.group * a.q_len >= 4;
     const bool by_size = cpu_is_intel() ? l2 > 0 && kv_bytes > int64_t(std::max(num_threads, 1)) * l2
-                         : amd_prefetch;
+                                        : busy_rows && from_memory;
     const int mode = g_prefetch.load(std::memory_order_relaxed);
     a.prefetch_kv = mode < 0 ? by_size : mode == 1;
     // How many parts of each work item's key range the kernel reads side by side (decode.inc,
