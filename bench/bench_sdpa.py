@@ -144,13 +144,18 @@ ENV_RECORDED = (
 # Inputs, masks and work counts
 
 
-def make_inputs(case: Case, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Standard-normal float32 query, key, value in (B, H, len, D) layout."""
+def make_inputs(case: Case, rng: np.random.Generator, layout: str = "bhsd") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Standard-normal float32 query, key, value of shape (B, H, len, D): stored that way ("bhsd"),
+    or stored (B, len, H, D) and viewed heads first ("bshd", the layout Hugging Face models pass:
+    every library gets the same strided views)."""
     b, h, d = case.batch, case.num_heads, case.head_dim
-    q = rng.standard_normal((b, h, case.q_len, d), dtype=DTYPE)
-    k = rng.standard_normal((b, h, case.kv_len, d), dtype=DTYPE)
-    v = rng.standard_normal((b, h, case.kv_len, d), dtype=DTYPE)
-    return q, k, v
+
+    def array(length):
+        if layout == "bshd":
+            return rng.standard_normal((b, length, h, d), dtype=DTYPE).transpose(0, 2, 1, 3)
+        return rng.standard_normal((b, h, length, d), dtype=DTYPE)
+
+    return array(case.q_len), array(case.kv_len), array(case.kv_len)
 
 
 def make_padding_mask(q_len: int, kv_len: int, rng: np.random.Generator) -> np.ndarray:
@@ -367,6 +372,7 @@ def machine_info(pyattn, threads, versions, blas_threads, ceilings, busy, args) 
         "min_runs": args.min_runs,
         "rounds": args.rounds,
         "seed": args.seed,
+        "layout": args.layout,
     }
 
 
@@ -384,6 +390,8 @@ def print_header(info: dict, peers: list[str]) -> None:
         f"pyattn {rt.get('version')}: isa={rt.get('isa')} available={rt.get('available_isas')} "
         f"openmp={rt.get('openmp')} compiler={rt.get('compiler')}"
     )
+    if info["layout"] != "bhsd":
+        print(f"inputs: stored {info['layout'].upper()}, passed to every library as (B, H, L, D) views")
     print(f"numpy {info['versions']['numpy']} ({info['numpy_blas']})")
     print(f"torch {info['versions']['torch']};  onnxruntime {info['versions']['onnxruntime']}")
     print_peer_isa(info["peer_isa_env"])
@@ -643,6 +651,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=",".join(PEERS),
         help="comma-separated subset of %(default)s (missing libraries are skipped)",
     )
+    parser.add_argument(
+        "--layout",
+        choices=("bhsd", "bshd"),
+        default="bhsd",
+        help="how q, k, v are stored: (B, H, L, D) (default), or (B, L, H, D) viewed as (B, H, L, D) "
+        "without a copy, for every library",
+    )
     add_common_arguments(
         parser,
         TIMING,
@@ -692,7 +707,7 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(args.seed)
     rows = []
     for case in cases:
-        inputs = make_inputs(case, rng)
+        inputs = make_inputs(case, rng, args.layout)
         for variant in args.variants:
             mask = make_padding_mask(case.q_len, case.kv_len, rng) if variant == "mask" else None
             row = run_row_guarded(pyattn, case, variant, inputs, mask, peers, args, ceilings)

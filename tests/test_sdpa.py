@@ -809,3 +809,54 @@ def test_prefetch_changes_nothing(isa, rng, q_len, kv_len, options, mode):
         assert_close(on, expected, np.float32)
     else:
         np.testing.assert_allclose(np.asarray(on, np.float64), expected, rtol=8e-3, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "heads, q_len, kv_len, options",
+    [
+        (2, 17, 113, dict()),
+        (3, 70, 600, dict(is_causal=True)),  # an odd head count: pairs and a last head alone
+        (5, 40, 700, dict(is_causal="lower_right", threads=1)),
+        (4, 75, 300, dict(mask="bool", poison=True)),  # forbidden rows NaN / Inf: the checked pass per head
+        (3, 9, 520, dict(mask="float", is_causal=True, prefetch=1)),
+        (4, 130, 90, dict(half=True, threads=3)),
+        (3, 33, 400, dict(half=True, mask="bool", prefetch=1)),
+        (2, 20, 300, dict(half=True, mask="float", poison=True)),
+    ],
+)
+def test_interleaved_heads_in_pairs_change_nothing(isa, dtype, rng, heads, q_len, kv_len, options):
+    """K/V whose heads interleave in memory ((batch, seq, heads, dim) arrays viewed heads first) go
+    through the key blocks two heads at a time (attention.cpp, kNeighbourHeads), each head reading
+    its own rows: the bits of head by head (group tiles off), and the reference's values."""
+    if options.get("half"):
+        if ml_dtypes is None or dtype != np.float32:
+            pytest.skip("16-bit inputs: once, with ml_dtypes")
+        dtype = ml_dtypes.bfloat16
+    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=heads, q_len=q_len, kv_len=kv_len, head_dim=24,
+                       value_dim=40, layout="bshd")
+    assert k.strides[-2] > k.strides[-3] > 0  # rows of the heads interleave
+    mask = None
+    if "mask" in options:
+        mask = random_mask(rng, (2, 1, q_len, kv_len), options["mask"], dtype)
+        mask[..., 0] = True if mask.dtype == np.bool_ else 0.0
+        forbidden = np.zeros(kv_len, bool)
+        forbidden[kv_len // 3 :: 7] = True
+        mask[..., forbidden] = False if mask.dtype == np.bool_ else -np.inf
+        if options.get("poison"):
+            k[..., forbidden, :] = np.nan
+            v[..., forbidden, :] = np.inf
+    kwargs = dict(is_causal=options.get("is_causal", False), num_threads=options.get("threads", 2))
+    with prefetch(options.get("prefetch", -1)):
+        paired = sdpa(q, k, v, mask, **kwargs)
+        with core_setting(pyattn._core._set_group_tiles, 0):
+            alone = sdpa(q, k, v, mask, **kwargs)
+    np.testing.assert_array_equal(np.asarray(paired, np.float64), np.asarray(alone, np.float64))
+    clean_k, clean_v = (np.nan_to_num(np.asarray(x, np.float64), nan=0.0, posinf=0.0) for x in (k, v))
+    ref_mask = None if mask is None else (mask if mask.dtype == np.bool_ else np.asarray(mask, np.float64))
+    kwargs.pop("num_threads")
+    expected = reference.scaled_dot_product_attention(np.asarray(q, np.float64), clean_k, clean_v, ref_mask, **kwargs)
+    assert np.isfinite(expected).all()
+    if dtype in (np.float32, np.float64):
+        assert_close(paired, expected, dtype)
+    else:
+        np.testing.assert_allclose(np.asarray(paired, np.float64), expected, rtol=8e-3, atol=2e-5)
