@@ -860,3 +860,52 @@ def test_interleaved_heads_in_pairs_change_nothing(isa, dtype, rng, heads, q_len
         assert_close(paired, expected, dtype)
     else:
         np.testing.assert_allclose(np.asarray(paired, np.float64), expected, rtol=8e-3, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "q_heads, kv_heads, q_len, kv_len, options",
+    [
+        (4, 4, 1, 700, dict()),  # six chunks of 128 keys, the last one short
+        (6, 3, 1, 1000, dict(mask="bool", poison=True)),  # GQA; forbidden rows NaN / Inf
+        (2, 2, 3, 300, dict(is_causal="lower_right", threads=1)),
+        (4, 2, 8, 513, dict(mask="float", threads=3)),
+        (2, 2, 1, 33000, dict(head_dim=8)),  # more than 256 chunks of 128: longer chunks
+        (4, 4, 1, 128, dict()),  # one chunk: not split
+        (4, 2, 2, 900, dict(half=True)),
+    ],
+)
+def test_interleaved_heads_decode(isa, dtype, rng, q_heads, kv_heads, q_len, kv_len, options):
+    """Decoding (q_len <= 8) against K/V whose heads interleave in memory reads the keys in short
+    chunks, chunk by chunk across the heads (attention.cpp, kInterleavedChunk): the reference's
+    values, and those of the same values stored heads first, for every chunk count and remainder."""
+    if options.get("half"):
+        if ml_dtypes is None or dtype != np.float32:
+            pytest.skip("16-bit inputs: once, with ml_dtypes")
+        dtype = ml_dtypes.bfloat16
+    head_dim = options.get("head_dim", 24)
+    q = random_array(rng, (2, q_heads, q_len, head_dim), dtype)
+    k, v = (np.swapaxes(random_array(rng, (2, kv_len, kv_heads, dim), dtype), 1, 2) for dim in (head_dim, 40))
+    assert k.strides[-2] > k.strides[-3] > 0  # rows of the heads interleave
+    mask = None
+    if "mask" in options:
+        mask = random_mask(rng, (2, 1, q_len, kv_len), options["mask"], dtype)
+        mask[..., 0] = True if mask.dtype == np.bool_ else 0.0
+        if options.get("poison"):
+            forbidden = np.zeros(kv_len, bool)
+            forbidden[kv_len // 3 :: 7] = True
+            mask[..., forbidden] = False if mask.dtype == np.bool_ else -np.inf
+            k[..., forbidden, :] = np.nan
+            v[..., forbidden, :] = np.inf
+    kwargs = dict(is_causal=options.get("is_causal", False), enable_gqa=q_heads != kv_heads)
+    threads = options.get("threads", 2)
+    got = sdpa(q, k, v, mask, num_threads=threads, **kwargs)
+    stored_heads_first = sdpa(q, np.ascontiguousarray(k), np.ascontiguousarray(v), mask, num_threads=threads, **kwargs)
+    clean_k, clean_v = (np.nan_to_num(np.asarray(x, np.float64), nan=0.0, posinf=0.0) for x in (k, v))
+    ref_mask = None if mask is None else (mask if mask.dtype == np.bool_ else np.asarray(mask, np.float64))
+    expected = reference.scaled_dot_product_attention(np.asarray(q, np.float64), clean_k, clean_v, ref_mask, **kwargs)
+    assert np.isfinite(expected).all()
+    for out in (got, stored_heads_first):
+        if dtype in (np.float32, np.float64):
+            assert_close(out, expected, dtype)
+        else:
+            np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=8e-3, atol=2e-5)

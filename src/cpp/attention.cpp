@@ -303,7 +303,27 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
   const int64_t row_chunks = ceil_div(rows_total, kDecodeMaxRows);
   const int64_t chunk_rows = ceil_div(rows_total, row_chunks);
   const int64_t tasks = kv_groups * row_chunks;
-  const Split split = split_keys(tasks, a.kv_len, ks.decode_block, kDecodeMinChunk);
+  // Key/value heads whose rows interleave in memory (a (batch, seq, heads, head_dim) array viewed
+  // heads first: each head's row is head_dim elements out of every heads * head_dim) are read in
+  // short chunks of keys, chunk by chunk across the heads (items claimed chunk-major below), instead
+  // of each head's whole key range in turn: then the memory around each head's rows, which the
+  // hardware prefetchers fetch along with them, belongs to the rows the next items read. Measured on
+  // Zen 3 (AVX2, 2 threads, float32, 32 query heads, head_dim 128, one new token, K/V as such views;
+  // alternating in one process, medians of 7 rounds, two runs): 4096 keys 0.48-0.52 -> 0.68x the
+  // speed of the same values stored heads first, 16384 keys 0.45-0.47 -> 0.69-0.72x, B = 4 at 4096
+  // 0.43-0.56 -> 0.58-0.72x, 8 K/V heads at 4096 0.49-0.64 -> 0.63-0.66x; chunks of 32, 64 and 256
+  // keys measured 0.58-0.72x. At most kMaxInterleavedChunks chunks per head, so the partial states
+  // stay small. (Reading every head's row of a key in turn would read the memory in order; the
+  // kernel takes one key/value head per work item.)
+  constexpr int64_t kInterleavedChunk = 128, kMaxInterleavedChunks = 256;
+  const bool interleaved = kv_heads > 1 && std::abs(a.k_offset[group] - a.k_offset[0]) < a.k_stride_s &&
+                           std::abs(a.v_offset[group] - a.v_offset[0]) < a.v_stride_s;
+  Split split = split_keys(tasks, a.kv_len, ks.decode_block, kDecodeMinChunk);
+  if (interleaved && a.kv_len > kInterleavedChunk) {
+    const int64_t chunk = std::max(kInterleavedChunk, ceil_div(a.kv_len, kMaxInterleavedChunks));
+    const int64_t rounded = ceil_div(chunk, ks.decode_block) * ks.decode_block;
+    split = Split{ceil_div(a.kv_len, rounded), rounded};
+  }
   const int64_t items = tasks * split.count;
   // The split above depends on the shape only, so the thread count never changes the result.
   const double fmas = double(a.batch_heads) * double(a.q_len) * double(a.kv_len) * double(a.head_dim + a.value_dim);
@@ -333,7 +353,10 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
     };
   };
 
-  parallel_for(items, threads, [&](int64_t n) {
+  parallel_for(items, threads, [&](int64_t claimed) {
+    // Item n is chunk n % split.count of task n / split.count; interleaved heads claim them chunk
+    // by chunk (all tasks' first chunks, then their second ones, ...).
+    const int64_t n = interleaved ? claimed % tasks * split.count + claimed / tasks : claimed;
     T* mine = scratch.data() + per_thread * size_t(thread_id());
     DecodeTile t = tile_of(n / split.count);
     if (split.count > 1) {
