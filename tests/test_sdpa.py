@@ -812,29 +812,33 @@ def test_prefetch_changes_nothing(isa, rng, q_len, kv_len, options, mode):
 
 
 @pytest.mark.parametrize(
-    "heads, q_len, kv_len, options",
+    "heads, kv_heads, q_len, kv_len, options",
     [
-        (2, 17, 113, dict()),
-        (3, 70, 600, dict(is_causal=True)),  # an odd head count: pairs and a last head alone
-        (5, 40, 700, dict(is_causal="lower_right", threads=1)),
-        (4, 75, 300, dict(mask="bool", poison=True)),  # forbidden rows NaN / Inf: the checked pass per head
-        (3, 9, 520, dict(mask="float", is_causal=True, prefetch=1)),
-        (4, 130, 90, dict(half=True, threads=3)),
-        (3, 33, 400, dict(half=True, mask="bool", prefetch=1)),
-        (2, 20, 300, dict(half=True, mask="float", poison=True)),
+        (2, 2, 17, 113, dict()),
+        (3, 3, 70, 600, dict(is_causal=True)),  # an odd head count: pairs and a last head alone
+        (5, 5, 40, 700, dict(is_causal="lower_right", threads=1)),
+        (4, 4, 75, 300, dict(mask="bool", poison=True)),  # forbidden rows NaN / Inf: the checked pass
+        (3, 3, 9, 520, dict(mask="float", is_causal=True, prefetch=1)),
+        (4, 4, 130, 90, dict(half=True, threads=3)),
+        (3, 3, 33, 400, dict(half=True, mask="bool", prefetch=1)),
+        (2, 2, 20, 300, dict(half=True, mask="float", poison=True)),
+        (1, 1, 30, 2000, dict()),  # one head: key chunks split across threads, each copied apart
+        (6, 2, 50, 333, dict(is_causal=True)),  # GQA groups whose K/V heads interleave
+        (8, 2, 20, 250, dict(half=True, mask="bool")),
     ],
 )
-def test_interleaved_heads_in_pairs_change_nothing(isa, dtype, rng, heads, q_len, kv_len, options):
+def test_interleaved_heads_change_nothing(isa, dtype, rng, heads, kv_heads, q_len, kv_len, options):
     """K/V whose heads interleave in memory ((batch, seq, heads, dim) arrays viewed heads first) go
-    through the key blocks two heads at a time (attention.cpp, kNeighbourHeads), each head reading
-    its own rows: the bits of head by head (group tiles off), and the reference's values."""
+    through the key blocks two heads at a time, each reading its own rows, or are copied head by
+    head into a per-thread buffer that the tiles read (attention.cpp: pairs, pack_heads): both give
+    the bits of head by head (group tiles off, no copies), and the reference's values."""
     if options.get("half"):
         if ml_dtypes is None or dtype != np.float32:
             pytest.skip("16-bit inputs: once, with ml_dtypes")
         dtype = ml_dtypes.bfloat16
-    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=heads, q_len=q_len, kv_len=kv_len, head_dim=24,
-                       value_dim=40, layout="bshd")
-    assert k.strides[-2] > k.strides[-3] > 0  # rows of the heads interleave
+    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
+                       head_dim=24, value_dim=40, layout="bshd")
+    assert kv_heads == 1 or k.strides[-2] > k.strides[-3] > 0  # rows of the heads interleave
     mask = None
     if "mask" in options:
         mask = random_mask(rng, (2, 1, q_len, kv_len), options["mask"], dtype)
@@ -845,12 +849,18 @@ def test_interleaved_heads_in_pairs_change_nothing(isa, dtype, rng, heads, q_len
         if options.get("poison"):
             k[..., forbidden, :] = np.nan
             v[..., forbidden, :] = np.inf
-    kwargs = dict(is_causal=options.get("is_causal", False), num_threads=options.get("threads", 2))
+    kwargs = dict(is_causal=options.get("is_causal", False), enable_gqa=heads != kv_heads,
+                  num_threads=options.get("threads", 2))
     with prefetch(options.get("prefetch", -1)):
-        paired = sdpa(q, k, v, mask, **kwargs)
-        with core_setting(pyattn._core._set_group_tiles, 0):
-            alone = sdpa(q, k, v, mask, **kwargs)
-    np.testing.assert_array_equal(np.asarray(paired, np.float64), np.asarray(alone, np.float64))
+        with core_setting(pyattn._core._set_pack_heads, 0):
+            paired = sdpa(q, k, v, mask, **kwargs)
+            with core_setting(pyattn._core._set_group_tiles, 0):
+                alone = sdpa(q, k, v, mask, **kwargs)
+        with core_setting(pyattn._core._set_pack_heads, 1):
+            copied = sdpa(q, k, v, mask, **kwargs)
+        by_rule = sdpa(q, k, v, mask, **kwargs)
+    for out in (paired, copied, by_rule):
+        np.testing.assert_array_equal(np.asarray(out, np.float64), np.asarray(alone, np.float64))
     clean_k, clean_v = (np.nan_to_num(np.asarray(x, np.float64), nan=0.0, posinf=0.0) for x in (k, v))
     ref_mask = None if mask is None else (mask if mask.dtype == np.bool_ else np.asarray(mask, np.float64))
     kwargs.pop("num_threads")

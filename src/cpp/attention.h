@@ -341,6 +341,10 @@ int set_prefetch(int mode);
 // Whether the query tiles take a GQA group's heads together (KernelSet::attend_group; 1, the
 // default) or head by head (0, for tests). Returns the previous setting.
 int set_group_tiles(int on);
+// Whether the query tiles copy the rows of K/V heads that interleave in memory into a per-thread
+// buffer, head by head (attention.cpp, pack_heads): -1 decided per call from the sizes (the
+// default), 0 never, 1 whenever they interleave (tests). Returns the previous setting.
+int set_pack_heads(int mode);
 // How many parts of a work item's keys the decode kernel reads side by side: -1 decided per call
 // (attend_decode, the default), or 1, 2 or 4 always (tests and measurements). Returns the previous
 // setting.

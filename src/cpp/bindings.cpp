@@ -393,6 +393,11 @@ PYBIND11_MODULE(_core, m) {
   m.def("_set_group_tiles", &set_group_tiles, py::arg("on"),
         "Whether the query tiles take the heads of a GQA group together (1, the default) or head by "
         "head (0, for tests). Returns the previous setting.");
+  m.def("_set_pack_heads", &set_pack_heads, py::arg("mode"),
+        "Whether the query tiles copy the rows of K/V heads that interleave in memory (a (batch, seq, "
+        "heads, head_dim) array viewed heads first) into a per-thread buffer, head by head: -1 decided per "
+        "call from the sizes (the default), 0 never, 1 whenever they interleave (for tests). Returns the "
+        "previous setting.");
   m.def("_set_decode_streams", &set_decode_streams, py::arg("streams"),
         "How many parts of a work item's keys the decode kernel reads side by side: -1 decided per call "
         "(the default), 1, 2 or 4 always (for tests). Returns the previous setting.");

@@ -135,6 +135,11 @@ def _set_group_tiles(on: int) -> int:
     """Whether the query tiles take the heads of a GQA group together (1, the default) or head by
     head (0, for tests). Returns the previous setting."""
 
+def _set_pack_heads(mode: int) -> int:
+    """Whether the query tiles copy the rows of K/V heads that interleave in memory into a
+    per-thread buffer, head by head: -1 decided per call from the sizes (the default), 0 never, 1
+    whenever they interleave (for tests). Returns the previous setting."""
+
 def _set_decode_streams(streams: int) -> int:
     """How many parts of a work item's keys the decode kernel reads side by side: -1 decided per
     call (the default), 1, 2 or 4 always (for tests). Returns the previous setting."""
