@@ -825,6 +825,7 @@ def test_prefetch_changes_nothing(isa, rng, q_len, kv_len, options, mode):
         (1, 1, 30, 2000, dict()),  # one head: key chunks split across threads, each copied apart
         (6, 2, 50, 333, dict(is_causal=True)),  # GQA groups whose K/V heads interleave
         (8, 2, 20, 250, dict(half=True, mask="bool")),
+        (4, 4, 40, 200, dict(shared_k=True)),  # one K row for every head, V rows of their own
     ],
 )
 def test_interleaved_heads_change_nothing(isa, dtype, rng, heads, kv_heads, q_len, kv_len, options):
@@ -849,6 +850,8 @@ def test_interleaved_heads_change_nothing(isa, dtype, rng, heads, kv_heads, q_le
         if options.get("poison"):
             k[..., forbidden, :] = np.nan
             v[..., forbidden, :] = np.inf
+    if options.get("shared_k"):
+        k = np.broadcast_to(k[:, :1], k.shape)
     kwargs = dict(is_causal=options.get("is_causal", False), enable_gqa=heads != kv_heads,
                   num_threads=options.get("threads", 2))
     with prefetch(options.get("prefetch", -1)):

@@ -593,18 +593,19 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
   };
 
   // pack_heads: per thread, one head's (or GQA group's) K rows then V rows, back to back and at
-  // their key index, as stored (16-bit rows stay 16-bit); packed_keys says whose rows it holds.
+  // their key index, as stored (16-bit rows stay 16-bit); packed_keys says whose rows it holds (K
+  // and V offsets, key range: a K shared by all heads may come with V rows of each head's own).
   const int64_t item_bytes_kv = a.kv_item_bytes();
   const size_t pack_bytes = pack_heads ? padded(size_t(head_pack_bytes), 1) : 0;
   AlignedBuffer<char> packs(pack_bytes * size_t(threads));
-  std::vector<int64_t> packed_keys(pack_heads ? size_t(threads) * 3 : 0, -1);
+  std::vector<int64_t> packed_keys(pack_heads ? size_t(threads) * 4 : 0, -1);
   const std::vector<int64_t> zero_offsets(pack_heads ? size_t(a.batch_heads) : 0, 0);
   // The arguments a tile of t reads: a's, or with pack_heads the thread's copy of t's K/V rows.
   auto packed_args = [&](const Tile& t, AttnArgs<T>& copy) {
     char* kp = packs.data() + pack_bytes * size_t(thread_id());
     char* vp = kp + a.kv_len * a.head_dim * item_bytes_kv;
-    int64_t* key = &packed_keys[size_t(thread_id()) * 3];
-    if (key[0] != a.k_offset[t.bh] || key[1] != t.j_begin || key[2] != t.j_end) {
+    int64_t* key = &packed_keys[size_t(thread_id()) * 4];
+    if (key[0] != a.k_offset[t.bh] || key[1] != a.v_offset[t.bh] || key[2] != t.j_begin || key[3] != t.j_end) {
       const char* k = reinterpret_cast<const char*>(a.k);
       const char* v = reinterpret_cast<const char*>(a.v);
       const size_t k_row = size_t(a.head_dim * item_bytes_kv), v_row = size_t(a.value_dim * item_bytes_kv);
@@ -613,8 +614,9 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
         std::memcpy(vp + size_t(j) * v_row, v + (a.v_offset[t.bh] + j * a.v_stride_s) * item_bytes_kv, v_row);
       }
       key[0] = a.k_offset[t.bh];
-      key[1] = t.j_begin;
-      key[2] = t.j_end;
+      key[1] = a.v_offset[t.bh];
+      key[2] = t.j_begin;
+      key[3] = t.j_end;
     }
     copy = a;
     copy.k = reinterpret_cast<const T*>(kp);
