@@ -628,9 +628,9 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
   auto run_item = [&](int64_t n, int64_t next) {
     T* mine = scratch.data() + per_thread * size_t(thread_id());
     const Tile t = item_tile(n);
-    AttnArgs<T> packed;
-    if (pack_heads) packed_args(t, packed);
-    const AttnArgs<T>& args = pack_heads ? packed : a;
+    AttnArgs<T> with_copy;
+    if (pack_heads) packed_args(t, with_copy);
+    const AttnArgs<T>& args = pack_heads ? with_copy : a;
     const int64_t heads = heads_of(n / split.count);
     Scratch<T> s[kMaxGroupTileHeads];
     for (int64_t h = 0; h < heads; ++h) {
