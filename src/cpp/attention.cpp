@@ -66,6 +66,15 @@ std::atomic<int> g_pack_heads{-1};  // set_pack_heads: -1 by sizes, 0 never, 1 w
 // call's arrays come from memory (the prefetch conditions below).
 int64_t last_level_cache_bytes() { return std::max(cache_bytes(3), cache_bytes(2)); }
 
+// Whether the rows of consecutive key/value heads interleave in memory: a (batch, seq, heads,
+// head_dim) array viewed heads first, where each head's row is head_dim elements out of every
+// heads * head_dim. Such rows are read in another order (attend_decode, the tile driver).
+template <class T>
+bool kv_heads_interleave(const AttnArgs<T>& a) {
+  return a.num_heads > a.group && std::abs(a.k_offset[a.group] - a.k_offset[0]) < a.k_stride_s &&
+         std::abs(a.v_offset[a.group] - a.v_offset[0]) < a.v_stride_s;
+}
+
 // The CPU vendor, for the prefetch rules measured per vendor (compared once, not per call).
 bool cpu_is_intel() {
   static const bool intel = std::strcmp(cpu_vendor(), "GenuineIntel") == 0;
@@ -317,8 +326,7 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
   // stay small. (Reading every head's row of a key in turn would read the memory in order; the
   // kernel takes one key/value head per work item.)
   constexpr int64_t kInterleavedChunk = 128, kMaxInterleavedChunks = 256;
-  const bool interleaved = kv_heads > 1 && std::abs(a.k_offset[group] - a.k_offset[0]) < a.k_stride_s &&
-                           std::abs(a.v_offset[group] - a.v_offset[0]) < a.v_stride_s;
+  const bool interleaved = kv_heads_interleave(a);
   Split split = split_keys(tasks, a.kv_len, ks.decode_block, kDecodeMinChunk);
   if (interleaved && a.kv_len > kInterleavedChunk) {
     const int64_t chunk = std::max(kInterleavedChunk, ceil_div(a.kv_len, kMaxInterleavedChunks));
@@ -459,9 +467,7 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
   // gained, above): hence at least kPackMinQueryBlocks blocks, and copies that together take at
   // most half of the last-level cache (they are meant to stay there; a quarter each on 2 threads).
   constexpr int64_t kNeighbourHeads = 2, kPackMinQueryBlocks = 16;
-  const bool interleaved = a.num_heads > a.group && a.batch_heads > a.group &&
-                           std::abs(a.k_offset[a.group] - a.k_offset[0]) < a.k_stride_s &&
-                           std::abs(a.v_offset[a.group] - a.v_offset[0]) < a.v_stride_s;
+  const bool interleaved = kv_heads_interleave(a);
   const int64_t head_pack_bytes = a.kv_len * kv_row_bytes;
   const int pack_mode = g_pack_heads.load(std::memory_order_relaxed);
   const bool pack_heads = interleaved && !a.weights &&
