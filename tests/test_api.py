@@ -95,6 +95,27 @@ def test_mixed_dtypes(qkv, name):
         sdpa(**args)
 
 
+def _swapped(dtype):
+    return np.dtype(dtype).newbyteorder()
+
+
+@pytest.mark.parametrize("which", ["query", "key", "value", "all"])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "bfloat16"])
+def test_non_native_byte_order_is_refused(rng, which, dtype):
+    # A big-endian float16 still names itself "float16": read as the CPU's own bits it gave wrong
+    # values (max error ~3 on N(0, 1) inputs) instead of an error.
+    if dtype == "bfloat16":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        dtype = ml_dtypes.bfloat16
+    q, k, v = (x.astype(dtype) for x in make_qkv(rng, np.float32))
+    args = {"query": q, "key": k, "value": v}
+    for name in args if which == "all" else [which]:
+        args[name] = args[name].astype(_swapped(dtype))
+    first = "query" if which == "all" else which
+    with pytest.raises(TypeError, match=rf"{first}: dtype must be .*native byte order"):
+        sdpa(**args)
+
+
 def test_list_inputs_are_not_silently_promoted(qkv):
     q, k, v = qkv
     with pytest.raises(TypeError):

@@ -552,6 +552,12 @@ def test_cache_bfloat16_by_name_and_invalid_dtypes():
     for bad in (np.int32, np.complex64, np.bool_, "int8"):
         with pytest.raises(TypeError, match="dtype"):
             pyattn.KVCache(1, 1, 4, 4, dtype=bad)
+    # Big-endian storage names itself "float16"/"float32" too; the kernels would misread it (a
+    # '>f2' cache returned wrong attention values before it was refused).
+    swapped = [">f2", ">f4", ">f8"] + ([np.dtype(ml_dtypes.bfloat16).newbyteorder(">")] if ml_dtypes else [])
+    for bad in swapped:
+        with pytest.raises(TypeError, match="dtype: must be .*native byte order"):
+            pyattn.KVCache(1, 1, 4, 4, dtype=bad)
 
 
 @pytest.mark.parametrize(

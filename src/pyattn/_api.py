@@ -23,7 +23,11 @@ _HALF_STORAGE = {"float16": 1, "bfloat16": 2}
 
 
 def _is_half(dtype):
-    return dtype.itemsize == 2 and dtype.name in _HALF_STORAGE
+    # Native byte order only: the kernels read the 16-bit patterns as the CPU's own (a big-endian
+    # float16 also calls itself "float16"; float32/float64 ones already fail the _SUPPORTED test).
+    return dtype.itemsize == 2 and dtype.name in _HALF_STORAGE and dtype.isnative
+
+
 _CAUSAL = {False: None, True: "upper_left", "upper_left": "upper_left", "lower_right": "lower_right"}
 # The same choices as _core.sdpa_simple's codes (0 none, 1 upper-left, 2 lower-right).
 _SIMPLE_CAUSAL = {k: {None: 0, "upper_left": 1, "lower_right": 2}[v] for k, v in _CAUSAL.items()}
@@ -36,7 +40,7 @@ def _as_float_array(x, name):
             raise TypeError(f"{name}: expected a NumPy array, got None")
         x = np.asarray(x)
     if x.dtype not in _SUPPORTED and not _is_half(x.dtype):
-        raise TypeError(f"{name}: dtype must be float32, float64, float16 or bfloat16, got {x.dtype}")
+        raise TypeError(f"{name}: dtype must be float32, float64, float16 or bfloat16 (native byte order), got {x.dtype}")
     if x.ndim < 2:
         raise ValueError(f"{name}: expected at least 2 dimensions (..., seq_len, dim), got shape {x.shape}")
     return x

@@ -32,8 +32,10 @@ def _storage_dtype(dtype):
         parsed = None if dtype is None else np.dtype(dtype)
     except TypeError:
         parsed = None
-    if parsed is None or parsed.name not in ("float32", "float64", "float16", "bfloat16"):
-        raise TypeError(f"dtype: must be float32, float64, float16 or bfloat16, got {dtype!r}")
+    # Native byte order only: the kernels read the storage as the CPU's own numbers (a big-endian
+    # float16 or float32 still calls itself "float16" / "float32").
+    if parsed is None or parsed.name not in ("float32", "float64", "float16", "bfloat16") or not parsed.isnative:
+        raise TypeError(f"dtype: must be float32, float64, float16 or bfloat16 (native byte order), got {dtype!r}")
     return parsed
 
 
