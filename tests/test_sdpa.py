@@ -834,6 +834,7 @@ def test_prefetch_changes_nothing(isa, rng, q_len, kv_len, options, mode):
         (3, 3, 33, 400, dict(half=True, mask="bool", prefetch=1)),
         (2, 2, 20, 300, dict(half=True, mask="float", poison=True)),
         (1, 1, 30, 2000, dict()),  # one head: key chunks split across threads, each copied apart
+        (3, 3, 9, 2000, dict()),  # an odd head count with split key ranges: the split as head by head
         (6, 2, 50, 333, dict(is_causal=True)),  # GQA groups whose K/V heads interleave
         (8, 2, 20, 250, dict(half=True, mask="bool")),
         (4, 4, 40, 200, dict(shared_k=True)),  # one K row for every head, V rows of their own

@@ -490,9 +490,11 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
   const int64_t sub_groups = ceil_div(tile_group, group_heads);  // tiles per group (or heads) and query block
   const int64_t tasks = a.batch_heads / tile_group * sub_groups * q_blocks;
   const int64_t key_block = ks.key_block(block_rows);
-  // A group tile does the work of group_heads head tiles: the key range is split as for those.
+  // A group tile does the work of its heads' tiles: the key range is split as for one tile per
+  // head and query block, however the heads are grouped (tasks * group_heads overcounts a last
+  // sub-group with fewer heads, e.g. the lone head of an odd count in pairs, and changed the bits).
   const Split split = a.weights ? Split{1, a.kv_len}
-                                : split_keys(tasks * group_heads, a.kv_len, key_block, kMinChunkBlocks * key_block);
+                                : split_keys(a.batch_heads * q_blocks, a.kv_len, key_block, kMinChunkBlocks * key_block);
   const int64_t items = tasks * split.count;
   // The work (every key for every query row; a causal call does about half) decides how many
   // threads are worth starting; the split above depends on the shape only.
