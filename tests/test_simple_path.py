@@ -71,7 +71,12 @@ DECLINED = {
     "5-d": lambda q, k, v: (q[None], k[None], v[None]),
     "mixed ndim": lambda q, k, v: (q, k[0], v[0]),
     "mixed dtypes": lambda q, k, v: (q, k.astype(np.float64), v),
-    "float16": lambda q, k, v: (q.astype(np.float16), k.astype(np.float16), v.astype(np.float16)),
+    "float16 with float32": lambda q, k, v: (q.astype(np.float16), k, v),
+    "big-endian float16": lambda q, k, v: (q.astype(">f2"), k.astype(">f2"), v.astype(">f2")),
+    "float16 query, strided last axis": lambda q, k, v: (np.repeat(q.astype(np.float16), 2, axis=-1)[..., ::2],
+                                                         k.astype(np.float16), v.astype(np.float16)),
+    "float16 query, reversed rows": lambda q, k, v: (q.astype(np.float16)[:, :, ::-1], k.astype(np.float16),
+                                                     v.astype(np.float16)),
     "int": lambda q, k, v: (q.astype(np.int32), k.astype(np.int32), v.astype(np.int32)),
     "big-endian": lambda q, k, v: (q.astype(">f4"), k.astype(">f4"), v.astype(">f4")),
     "strided last axis": lambda q, k, v: (q, np.repeat(k, 2, axis=-1)[..., ::2], v),
@@ -198,3 +203,79 @@ def test_simple_path_declines_out_overlapping_an_input(rng):
     assert _core.sdpa_simple(q2, k, v, 0, False, None, 0, None, out) is None
     with pytest.raises(ValueError, match="out: must not overlap query"):
         sdpa(q2, k, v, out=out)
+
+
+def half_dtypes():
+    halves = [np.float16]
+    try:
+        import ml_dtypes
+        halves.append(ml_dtypes.bfloat16)
+    except ImportError:  # bfloat16 arrays need ml_dtypes (the test extra installs it)
+        pass
+    return halves
+
+
+HALVES = half_dtypes()
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("layout", ["contiguous", "guarded", "heads_major"])
+@pytest.mark.parametrize("is_causal,code", CAUSAL, ids=[str(c) for c, _ in CAUSAL])
+@pytest.mark.parametrize(
+    "batch,q_heads,kv_heads,q_len,kv_len,head_dim,value_dim",
+    [(2, 4, 4, 5, 7, 8, 6), (0, 3, 3, 17, 17, 16, 16), (1, 8, 2, 1, 300, 64, 64), (3, 6, 1, 1, 33, 24, 5),
+     (2, 2, 2, 70, 50, 33, 17)],
+    ids=["mha", "3d", "gqa-decode", "mqa-1", "ragged"],
+)
+def test_simple_path_half_is_bitwise_the_general_path(rng, isa, dtype, layout, is_causal, code, batch, q_heads,
+                                                        kv_heads, q_len, kv_len, head_dim, value_dim):
+    # float16/bfloat16: the query widened, K/V read as 16-bit storage, the result rounded back, as the
+    # general path does, for any layout (the query widened row by row when it is a view).
+    q, k, v = inputs(rng, np.float32, batch, q_heads, kv_heads, q_len, kv_len, head_dim, value_dim, layout)
+    q, k, v = (x.astype(dtype) if layout == "contiguous" else _like(x, dtype) for x in (q, k, v))
+    assert layout == "contiguous" or q_len == 1 or not q.flags.c_contiguous
+    gqa = q_heads != kv_heads
+    direct = _core.sdpa_simple(q, k, v, code, gqa, None, 0)
+    assert direct is not None, "the simple path declined a plain 16-bit call"
+    assert direct.dtype == dtype and direct.flags.c_contiguous
+    expected = general(q, k, v, is_causal=is_causal, enable_gqa=gqa)
+    np.testing.assert_array_equal(direct.view(np.uint16), expected.view(np.uint16))
+    mask = rng.random(q.shape[-2:-1] + k.shape[-2:-1]) < 0.7
+    out = np.full(expected.shape, np.nan, dtype)
+    result = _core.sdpa_simple(q, k, v, code, gqa, 0.3, 2, mask, out)
+    assert result is out
+    expected = general(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa, scale=0.3, num_threads=2)
+    np.testing.assert_array_equal(out.view(np.uint16), expected.view(np.uint16))
+
+
+def _like(x, dtype):
+    """x's values as dtype, in x's own memory layout (strides scaled to the element size)."""
+    base = x.base if x.base is not None else x
+    while base.base is not None:
+        base = base.base
+    wide = np.empty(base.shape, dtype)
+    wide[...] = base.astype(dtype)
+    offset = (x.__array_interface__["data"][0] - base.__array_interface__["data"][0]) // x.itemsize
+    strides = tuple(st // x.itemsize * wide.itemsize for st in x.strides)
+    flat = wide.reshape(-1)
+    return np.lib.stride_tricks.as_strided(flat[offset:], x.shape, strides)
+
+
+HALF_DECLINED = {
+    "float16 mask": lambda q, k, v, m: (q, k, v, np.where(m, 0.0, -np.inf).astype(q.dtype), None),
+    "float32 mask": lambda q, k, v, m: (q, k, v, np.where(m, 0.0, -np.inf).astype(np.float32), None),
+    "float32 out": lambda q, k, v, m: (q, k, v, None, np.empty((2, 4, 5, 6), np.float32)),
+    "out shape": lambda q, k, v, m: (q, k, v, None, np.empty((2, 4, 5, 7), q.dtype)),
+    "out not contiguous": lambda q, k, v, m: (q, k, v, None, np.empty((2, 4, 5, 12), q.dtype)[..., ::2]),
+    "out overlapping key": lambda q, k, v, m: (q, k, v, None, k.reshape(-1)[:240].reshape(2, 4, 5, 6)),
+    "empty": lambda q, k, v, m: (q[:, :, :0], k, v, None, None),
+    "2-d": lambda q, k, v, m: (q[0, 0], k[0, 0], v[0, 0], None, None),
+}
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("case", list(HALF_DECLINED))
+def test_simple_path_half_declines(rng, dtype, case):
+    q, k, v = (x.astype(dtype) for x in plain(rng))
+    q, k, v, mask, out = HALF_DECLINED[case](q, k, v, rng.random((5, 7)) < 0.5)
+    assert _core.sdpa_simple(q, k, v, 0, False, None, 0, mask, out) is None

@@ -161,7 +161,7 @@ bool exact_ndarray(const py::object& obj) {
 template <class T>
 py::object sdpa_simple_t(const py::array& q, const py::array& k, const py::array& v, const py::object& mask_obj,
                          const py::object& out_obj, int causal, bool gqa, double scale, bool default_scale,
-                         int num_threads) {
+                         int num_threads, Storage storage = Storage::same) {
   const py::ssize_t nd = q.ndim();
   if ((nd != 3 && nd != 4) || k.ndim() != nd || v.ndim() != nd) return py::none();
   for (const py::array* x : {&q, &k, &v}) {
@@ -285,8 +285,9 @@ py::object sdpa_simple_t(const py::array& q, const py::array& k, const py::array
   a.k_offset = offsets.data() + a.batch_heads;
   a.v_offset = offsets.data() + 2 * a.batch_heads;
   a.q = static_cast<const T*>(q.data());
-  a.k = static_cast<const T*>(k.data());
+  a.k = static_cast<const T*>(k.data());  // uint16 data when storage != same (read as such by the kernel)
   a.v = static_cast<const T*>(v.data());
+  a.kv_storage = storage;
   a.out = static_cast<T*>(out.mutable_data());
   a.out_stride_l = value_dim;
   a.out_stride_h = checked_mul(q_len, value_dim);
@@ -294,6 +295,122 @@ py::object sdpa_simple_t(const py::array& q, const py::array& k, const py::array
   {
     py::gil_scoped_release release;
     scaled_dot_product_attention<T>(a, num_threads);
+  }
+  return std::move(out);
+}
+
+// 1 for float16, 2 for bfloat16 (ml_dtypes), in native byte order, else 0: _api._is_half.
+int half_storage_of(const py::dtype& dt) {
+  if (dt.itemsize() != 2) return 0;
+  static PyObject* const f16 = py::dtype("float16").release().ptr();  // NumPy's own, lives forever
+  if (dt.ptr() == f16) return 1;
+  // bfloat16 is not NumPy's: recognised by name the first time, then by identity.
+  static PyObject* bf16 = nullptr;
+  if (dt.ptr() == bf16) return 2;
+  if (bf16 != nullptr || dt.kind() != 'V') return 0;
+  if (py::str(dt.attr("name")).cast<std::string>() != "bfloat16" || !dt.attr("isnative").cast<bool>()) return 0;
+  bf16 = py::object(dt).release().ptr();  // kept alive, like f16
+  return 2;
+}
+
+// sdpa_simple for float16 / bfloat16 q, k, v: what the general path does with them, without its
+// ~100 us of interpreter time (a decode step over a 1k-token cache takes ~200 us): q widened to a
+// float32 copy, K and V read in place as 16-bit storage (converted a key block at a time by the
+// kernels), the float32 result rounded into the input dtype (into out= when given). Bool masks only
+// (a 16-bit float mask is widened by the general path); anything else returns None like
+// sdpa_simple_t.
+py::object sdpa_simple_half(const py::array& q, const py::array& k, const py::array& v, const py::object& mask_obj,
+                            const py::object& out_obj, int causal, bool gqa, double scale, bool default_scale,
+                            int num_threads, int storage) {
+  const py::ssize_t nd = q.ndim();
+  if (num_threads < 0 || (nd != 3 && nd != 4) || v.ndim() != nd) return py::none();
+  // q any view whose rows (last axis) are contiguous, as a (batch, seq, heads, head_dim) array
+  // viewed heads first; widened row by row below.
+  if (reinterpret_cast<uintptr_t>(q.data()) % 2 != 0) return py::none();
+  for (py::ssize_t d = 0; d < nd; ++d)
+    if (q.strides(d) < 0 || q.strides(d) % 2 != 0) return py::none();
+  if (q.shape(nd - 1) > 1 && q.strides(nd - 1) != 2) return py::none();
+  if (!mask_obj.is_none() && !(exact_ndarray(mask_obj) && is_bool(py::reinterpret_borrow<py::array>(mask_obj))))
+    return py::none();
+  const std::vector<py::ssize_t> shape(q.shape(), q.shape() + nd);
+  py::array user_out;
+  if (!out_obj.is_none()) {  // the general path's conditions for converting straight into out=
+    if (!exact_ndarray(out_obj)) return py::none();
+    user_out = py::reinterpret_borrow<py::array>(out_obj);
+    std::vector<py::ssize_t> out_shape = shape;
+    out_shape.back() = v.shape(nd - 1);
+    if (!user_out.dtype().is(q.dtype()) || user_out.ndim() != nd ||
+        !std::equal(out_shape.begin(), out_shape.end(), user_out.shape()))
+      return py::none();
+    if (!(user_out.flags() & py::array::c_style) || !user_out.writeable()) return py::none();
+    if (reinterpret_cast<uintptr_t>(user_out.data()) % 2 != 0) return py::none();
+    const Extent eo = extent_of(user_out);
+    const char* ob = static_cast<const char*>(user_out.data());
+    for (const py::object* x : {static_cast<const py::object*>(&q), static_cast<const py::object*>(&k),
+                                static_cast<const py::object*>(&v), &mask_obj}) {
+      if (x->is_none()) continue;
+      const py::array arr = py::reinterpret_borrow<py::array>(*x);
+      const Extent ex = extent_of(arr);
+      const char* xb = static_cast<const char*>(arr.data());
+      if (xb + ex.lo < ob + eo.hi && ob + eo.lo < xb + ex.hi) return py::none();
+    }
+  }
+  const bool bfloat16 = storage == 2;
+  py::array wide_q;
+  try {
+    wide_q = array_on_line(py::dtype::of<float>(), shape, "query");
+  } catch (const py::error_already_set&) {  // the general path raises the clear error
+    return py::none();
+  } catch (const std::bad_alloc&) {
+    return py::none();
+  } catch (const std::invalid_argument&) {
+    return py::none();
+  }
+  {
+    const uint16_t* src = static_cast<const uint16_t*>(q.data());
+    float* dst = static_cast<float*>(wide_q.mutable_data());
+    const bool contiguous = (q.flags() & py::array::c_style) != 0;
+    const int64_t row = q.shape(nd - 1), rows = row > 0 ? int64_t(q.size()) / row : 0;
+    int64_t q_shape[4], q_strides[4];  // elements
+    for (py::ssize_t d = 0; d < nd; ++d) {
+      q_shape[d] = q.shape(d);
+      q_strides[d] = q.strides(d) / 2;
+    }
+    py::gil_scoped_release release;
+    if (contiguous) {
+      convert_half(src, dst, int64_t(q.size()), num_threads, bfloat16);
+    } else {
+      for (int64_t r = 0; r < rows; ++r) {  // row r's element offset from its index over the leading axes
+        int64_t at = 0;
+        for (int64_t d = nd - 2, i = r; d >= 0; --d) {
+          at += i % q_shape[d] * q_strides[d];
+          i /= q_shape[d];
+        }
+        convert_half(src + at, dst + r * row, row, 1, bfloat16);
+      }
+    }
+  }
+  py::object result = sdpa_simple_t<float>(wide_q, k, v, mask_obj, py::none(), causal, gqa, scale, default_scale,
+                                           num_threads, Storage(storage));
+  if (result.is_none()) return result;
+  const py::array wide_out = py::reinterpret_borrow<py::array>(result);
+  py::array out = user_out;
+  if (out_obj.is_none()) {
+    const std::vector<py::ssize_t> out_shape(wide_out.shape(), wide_out.shape() + wide_out.ndim());
+    try {
+      out = array_on_line(q.dtype(), out_shape, "out");
+    } catch (const py::error_already_set&) {
+      return py::none();
+    } catch (const std::bad_alloc&) {
+      return py::none();
+    } catch (const std::invalid_argument&) {
+      return py::none();
+    }
+  }
+  {
+    py::gil_scoped_release release;
+    convert_half(static_cast<const float*>(wide_out.data()), static_cast<uint16_t*>(out.mutable_data()),
+                 int64_t(wide_out.size()), num_threads, bfloat16);
   }
   return std::move(out);
 }
@@ -312,6 +429,8 @@ py::object sdpa_simple(const py::object& q_obj, const py::object& k_obj, const p
   const double s = default_scale ? 1.0 : scale.cast<double>();
   if (is_float32(q)) return sdpa_simple_t<float>(q, k, v, mask, out, causal, gqa, s, default_scale, num_threads);
   if (is_float64(q)) return sdpa_simple_t<double>(q, k, v, mask, out, causal, gqa, s, default_scale, num_threads);
+  if (const int half = half_storage_of(q.dtype()))
+    return sdpa_simple_half(q, k, v, mask, out, causal, gqa, s, default_scale, num_threads, half);
   return py::none();
 }
 
