@@ -87,7 +87,8 @@ class Case:
 # --- building blocks ------------------------------------------------------------------------------
 
 _FLOATS = ("float32", "float64")
-_BAD_DTYPES = ("int32", "int64", "complex64", "complex128", "object", "bool", "uint8")
+# Big-endian floats too: a ">f2" array also calls itself "float16" (it was once read as native bits).
+_BAD_DTYPES = ("int32", "int64", "complex64", "complex128", "object", "bool", "uint8", ">f2", ">f4", ">f8")
 _HALF = ("float16",) + (("bfloat16",) if ml_dtypes is not None else ())
 _LAYOUTS = ("c", "c", "c", "guarded", "transposed", "reversed", "last_strided", "fortran", "misaligned", "stride0")
 

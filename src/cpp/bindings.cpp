@@ -153,6 +153,44 @@ bool exact_ndarray(const py::object& obj) {
   return Py_TYPE(obj.ptr()) == nd_type;
 }
 
+// A fresh array_on_line, or None where that would raise: the general path then raises the clear error.
+py::object on_line_or_none(const py::dtype& dtype, const std::vector<py::ssize_t>& shape, const char* name) {
+  try {
+    return array_on_line(dtype, shape, name);
+  } catch (const py::error_already_set&) {
+    return py::none();
+  } catch (const std::bad_alloc&) {
+    return py::none();
+  } catch (const std::invalid_argument&) {
+    return py::none();
+  }
+}
+
+// A caller's out= as the general path accepts it: exactly an ndarray of `dtype` and `shape`,
+// C-contiguous, writeable, and no memory bounds shared with any of `inputs` (np.may_share_memory's
+// test; null entries are absent inputs); else None.
+py::object accepted_out(const py::object& out_obj, const py::dtype& dtype, const std::vector<py::ssize_t>& shape,
+                        std::initializer_list<const py::array*> inputs) {
+  if (!exact_ndarray(out_obj)) return py::none();
+  const py::array out = py::reinterpret_borrow<py::array>(out_obj);
+  if (!out.dtype().is(dtype) || out.ndim() != py::ssize_t(shape.size()) ||
+      !std::equal(shape.begin(), shape.end(), out.shape()))
+    return py::none();
+  if (!(out.flags() & py::array::c_style) || !out.writeable()) return py::none();
+  auto bounds = [](const py::array& x) {
+    const Extent e = extent_of(x);
+    const char* base = static_cast<const char*>(x.data());
+    return std::make_pair(base + e.lo, base + e.hi);
+  };
+  const auto ob = bounds(out);
+  for (const py::array* x : inputs) {
+    if (x == nullptr) continue;
+    const auto xb = bounds(*x);
+    if (xb.first < ob.second && ob.first < xb.second) return py::none();
+  }
+  return std::move(out);
+}
+
 // The common call, q/k/v of one float dtype with equal leading shapes, at most a broadcast mask and
 // an out= array (no weights, 16-bit or copied inputs): checked and launched here without the Python layer's
 // general machinery (~15 us of interpreter time per call). Returns None for anything outside that
@@ -215,36 +253,11 @@ py::object sdpa_simple_t(const py::array& q, const py::array& k, const py::array
   // bounds shared with an input (np.may_share_memory's test).
   std::vector<py::ssize_t> shape(q.shape(), q.shape() + nd);
   shape[size_t(nd - 1)] = value_dim;
-  py::array out;
-  if (!out_obj.is_none()) {
-    if (!exact_ndarray(out_obj)) return py::none();
-    out = py::reinterpret_borrow<py::array>(out_obj);
-    if (!out.dtype().is(q.dtype()) || out.ndim() != nd || !std::equal(shape.begin(), shape.end(), out.shape()))
-      return py::none();
-    if (!(out.flags() & py::array::c_style) || !out.writeable()) return py::none();
-    auto bounds = [](const py::array& x) {
-      const Extent e = extent_of(x);
-      const char* base = static_cast<const char*>(x.data());
-      return std::make_pair(base + e.lo, base + e.hi);
-    };
-    const auto ob = bounds(out);
-    const py::array* mask_ptr = has_mask ? &mask : nullptr;
-    for (const py::array* x : {&q, &k, &v, mask_ptr}) {
-      if (x == nullptr) continue;
-      const auto xb = bounds(*x);
-      if (xb.first < ob.second && ob.first < xb.second) return py::none();
-    }
-  } else {
-    try {
-      out = array_on_line(py::dtype::of<T>(), shape, "out");
-    } catch (const py::error_already_set&) {  // the general path raises the clear error
-      return py::none();
-    } catch (const std::bad_alloc&) {
-      return py::none();
-    } catch (const std::invalid_argument&) {
-      return py::none();
-    }
-  }
+  const py::object out_or_none = out_obj.is_none() ? on_line_or_none(py::dtype::of<T>(), shape, "out")
+                                                   : accepted_out(out_obj, q.dtype(), shape,
+                                                                  {&q, &k, &v, has_mask ? &mask : nullptr});
+  if (out_or_none.is_none()) return py::none();
+  py::array out = py::reinterpret_borrow<py::array>(out_or_none);
 
   auto elems = [](const py::array& x, py::ssize_t d) { return int64_t(x.strides(d) / x.itemsize()); };
   AttnArgs<T> a;
@@ -333,39 +346,21 @@ py::object sdpa_simple_half(const py::array& q, const py::array& k, const py::ar
   if (!mask_obj.is_none() && !(exact_ndarray(mask_obj) && is_bool(py::reinterpret_borrow<py::array>(mask_obj))))
     return py::none();
   const std::vector<py::ssize_t> shape(q.shape(), q.shape() + nd);
-  py::array user_out;
+  std::vector<py::ssize_t> out_shape = shape;
+  out_shape.back() = v.shape(nd - 1);
+  py::object out_or_none = py::none();
   if (!out_obj.is_none()) {  // the general path's conditions for converting straight into out=
-    if (!exact_ndarray(out_obj)) return py::none();
-    user_out = py::reinterpret_borrow<py::array>(out_obj);
-    std::vector<py::ssize_t> out_shape = shape;
-    out_shape.back() = v.shape(nd - 1);
-    if (!user_out.dtype().is(q.dtype()) || user_out.ndim() != nd ||
-        !std::equal(out_shape.begin(), out_shape.end(), user_out.shape()))
+    const py::array mask = mask_obj.is_none() ? py::array() : py::reinterpret_borrow<py::array>(mask_obj);
+    out_or_none = accepted_out(out_obj, q.dtype(), out_shape, {&q, &k, &v, mask_obj.is_none() ? nullptr : &mask});
+    if (out_or_none.is_none()) return py::none();
+    // The conversion's scalar tail writes whole elements: a misaligned out= goes the general way.
+    if (reinterpret_cast<uintptr_t>(py::reinterpret_borrow<py::array>(out_or_none).data()) % 2 != 0)
       return py::none();
-    if (!(user_out.flags() & py::array::c_style) || !user_out.writeable()) return py::none();
-    if (reinterpret_cast<uintptr_t>(user_out.data()) % 2 != 0) return py::none();
-    const Extent eo = extent_of(user_out);
-    const char* ob = static_cast<const char*>(user_out.data());
-    for (const py::object* x : {static_cast<const py::object*>(&q), static_cast<const py::object*>(&k),
-                                static_cast<const py::object*>(&v), &mask_obj}) {
-      if (x->is_none()) continue;
-      const py::array arr = py::reinterpret_borrow<py::array>(*x);
-      const Extent ex = extent_of(arr);
-      const char* xb = static_cast<const char*>(arr.data());
-      if (xb + ex.lo < ob + eo.hi && ob + eo.lo < xb + ex.hi) return py::none();
-    }
   }
   const bool bfloat16 = storage == 2;
-  py::array wide_q;
-  try {
-    wide_q = array_on_line(py::dtype::of<float>(), shape, "query");
-  } catch (const py::error_already_set&) {  // the general path raises the clear error
-    return py::none();
-  } catch (const std::bad_alloc&) {
-    return py::none();
-  } catch (const std::invalid_argument&) {
-    return py::none();
-  }
+  const py::object q_or_none = on_line_or_none(py::dtype::of<float>(), shape, "query");
+  if (q_or_none.is_none()) return py::none();
+  py::array wide_q = py::reinterpret_borrow<py::array>(q_or_none);
   {
     const uint16_t* src = static_cast<const uint16_t*>(q.data());
     float* dst = static_cast<float*>(wide_q.mutable_data());
@@ -394,19 +389,9 @@ py::object sdpa_simple_half(const py::array& q, const py::array& k, const py::ar
                                            num_threads, Storage(storage));
   if (result.is_none()) return result;
   const py::array wide_out = py::reinterpret_borrow<py::array>(result);
-  py::array out = user_out;
-  if (out_obj.is_none()) {
-    const std::vector<py::ssize_t> out_shape(wide_out.shape(), wide_out.shape() + wide_out.ndim());
-    try {
-      out = array_on_line(q.dtype(), out_shape, "out");
-    } catch (const py::error_already_set&) {
-      return py::none();
-    } catch (const std::bad_alloc&) {
-      return py::none();
-    } catch (const std::invalid_argument&) {
-      return py::none();
-    }
-  }
+  if (out_or_none.is_none()) out_or_none = on_line_or_none(q.dtype(), out_shape, "out");
+  if (out_or_none.is_none()) return py::none();
+  py::array out = py::reinterpret_borrow<py::array>(out_or_none);
   {
     py::gil_scoped_release release;
     convert_half(static_cast<const float*>(wide_out.data()), static_cast<uint16_t*>(out.mutable_data()),
