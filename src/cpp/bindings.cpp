@@ -167,10 +167,10 @@ py::object on_line_or_none(const py::dtype& dtype, const std::vector<py::ssize_t
 }
 
 // A caller's out= as the general path accepts it: exactly an ndarray of `dtype` and `shape`,
-// C-contiguous, writeable, and no memory bounds shared with any of `inputs` (np.may_share_memory's
-// test; null entries are absent inputs); else None.
+// C-contiguous, writeable, and no memory bounds shared with any of the `inputs` arrays
+// (np.may_share_memory's test; None entries are absent inputs); else None.
 py::object accepted_out(const py::object& out_obj, const py::dtype& dtype, const std::vector<py::ssize_t>& shape,
-                        std::initializer_list<const py::array*> inputs) {
+                        std::initializer_list<py::handle> inputs) {
   if (!exact_ndarray(out_obj)) return py::none();
   const py::array out = py::reinterpret_borrow<py::array>(out_obj);
   if (!out.dtype().is(dtype) || out.ndim() != py::ssize_t(shape.size()) ||
@@ -183,16 +183,17 @@ py::object accepted_out(const py::object& out_obj, const py::dtype& dtype, const
     return std::make_pair(base + e.lo, base + e.hi);
   };
   const auto ob = bounds(out);
-  for (const py::array* x : inputs) {
-    if (x == nullptr) continue;
-    const auto xb = bounds(*x);
+  for (const py::handle x : inputs) {
+    if (x.is_none()) continue;
+    const auto xb = bounds(py::reinterpret_borrow<py::array>(x));
     if (xb.first < ob.second && ob.first < xb.second) return py::none();
   }
   return std::move(out);
 }
 
 // The common call, q/k/v of one float dtype with equal leading shapes, at most a broadcast mask and
-// an out= array (no weights, 16-bit or copied inputs): checked and launched here without the Python layer's
+// an out= array (no weights or copied inputs; 16-bit q/k/v arrive through sdpa_simple_half, with q
+// already widened and K/V as `storage`): checked and launched here without the Python layer's
 // general machinery (~15 us of interpreter time per call). Returns None for anything outside that
 // case, including every error, so the Python layer takes the general path and raises its usual
 // message; for calls inside it, the arguments the kernels see are exactly the general path's.
@@ -254,8 +255,7 @@ py::object sdpa_simple_t(const py::array& q, const py::array& k, const py::array
   std::vector<py::ssize_t> shape(q.shape(), q.shape() + nd);
   shape[size_t(nd - 1)] = value_dim;
   const py::object out_or_none = out_obj.is_none() ? on_line_or_none(py::dtype::of<T>(), shape, "out")
-                                                   : accepted_out(out_obj, q.dtype(), shape,
-                                                                  {&q, &k, &v, has_mask ? &mask : nullptr});
+                                                   : accepted_out(out_obj, q.dtype(), shape, {q, k, v, mask_obj});
   if (out_or_none.is_none()) return py::none();
   py::array out = py::reinterpret_borrow<py::array>(out_or_none);
 
@@ -350,8 +350,7 @@ py::object sdpa_simple_half(const py::array& q, const py::array& k, const py::ar
   out_shape.back() = v.shape(nd - 1);
   py::object out_or_none = py::none();
   if (!out_obj.is_none()) {  // the general path's conditions for converting straight into out=
-    const py::array mask = mask_obj.is_none() ? py::array() : py::reinterpret_borrow<py::array>(mask_obj);
-    out_or_none = accepted_out(out_obj, q.dtype(), out_shape, {&q, &k, &v, mask_obj.is_none() ? nullptr : &mask});
+    out_or_none = accepted_out(out_obj, q.dtype(), out_shape, {q, k, v, mask_obj});
     if (out_or_none.is_none()) return py::none();
     // The conversion's scalar tail writes whole elements: a misaligned out= goes the general way.
     if (reinterpret_cast<uintptr_t>(py::reinterpret_borrow<py::array>(out_or_none).data()) % 2 != 0)

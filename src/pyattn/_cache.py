@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from . import _core
-from ._api import _HALF_STORAGE, _LINE, _allocate, _scale_value, _threads_value
+from ._api import _HALF_STORAGE, _LINE, _SUPPORTED, _allocate, _is_half, _scale_value, _threads_value
 
 
 def _storage_dtype(dtype):
@@ -32,9 +32,9 @@ def _storage_dtype(dtype):
         parsed = None if dtype is None else np.dtype(dtype)
     except TypeError:
         parsed = None
-    # Native byte order only: the kernels read the storage as the CPU's own numbers (a big-endian
-    # float16 or float32 still calls itself "float16" / "float32").
-    if parsed is None or parsed.name not in ("float32", "float64", "float16", "bfloat16") or not parsed.isnative:
+    # The dtypes scaled_dot_product_attention takes (native byte order: a big-endian float16 or
+    # float32 still calls itself "float16" / "float32", but the kernels read the CPU's own numbers).
+    if parsed is None or (parsed not in _SUPPORTED and not _is_half(parsed)):
         raise TypeError(f"dtype: must be float32, float64, float16 or bfloat16 (native byte order), got {dtype!r}")
     return parsed
 
