@@ -61,13 +61,44 @@ def test_simple_path_is_bitwise_the_general_path(rng, isa, dtype, layout, is_cau
     assert direct.flags.c_contiguous and direct.dtype == dtype
 
 
+RANKS = {  # q, k, v of shapes (2, 4, 5, 8), (2, 4, 7, 8), (2, 4, 7, 6) cut to other ranks or batches
+    "2-d": lambda q, k, v: (q[0, 0], k[0, 0], v[0, 0]),
+    "k/v batch 1": lambda q, k, v: (q, k[:1], v[:1]),
+    "q batch 1": lambda q, k, v: (q[1:], k, v),
+    "v batch 1": lambda q, k, v: (q, k, v[1:]),
+    "q and k batch 1": lambda q, k, v: (q[:1], k[1:], v),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES + ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", list(RANKS))
+@pytest.mark.parametrize("guarded", [False, True], ids=["contiguous", "guarded"])
+def test_simple_path_takes_2d_and_broadcast_batches(rng, isa, dtype, case, guarded):
+    # 2-D inputs (one head) and 4-D inputs whose batch axes broadcast (each 1 or the common size) go
+    # the one-step way too, bitwise the general path's result, with and without a mask and out=.
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    q, k, v = RANKS[case](*(x.astype(dtype) for x in plain(rng)))
+    if guarded:
+        q, k, v = nan_guarded(q), nan_guarded(k), nan_guarded(v)
+    mask = rng.random((5, 7)) < 0.6
+    for is_causal, code in CAUSAL:
+        direct = _core.sdpa_simple(q, k, v, code, False, None, 0)
+        assert direct is not None, "the simple path declined a call it takes"
+        expected = general(q, k, v, is_causal=is_causal)
+        assert direct.shape == expected.shape and direct.dtype == expected.dtype
+        np.testing.assert_array_equal(direct, expected)
+        out = np.full(expected.shape, np.nan, dtype)
+        assert _core.sdpa_simple(q, k, v, code, False, 0.3, 1, mask, out) is out
+        np.testing.assert_array_equal(out, general(q, k, v, attn_mask=mask, is_causal=is_causal, scale=0.3))
+
+
 def plain(rng, dtype=np.float32):
     return [rng.standard_normal(s).astype(dtype) for s in ((2, 4, 5, 8), (2, 4, 7, 8), (2, 4, 7, 6))]
 
 
 DECLINED = {
-    "batch broadcast": lambda q, k, v: (q, k[:1], v[:1]),
-    "2-d": lambda q, k, v: (q[0, 0], k[0, 0], v[0, 0]),
+    "batch mismatch": lambda q, k, v: (q, np.concatenate([k, k[:1]]), np.concatenate([v, v[:1]])),
     "5-d": lambda q, k, v: (q[None], k[None], v[None]),
     "mixed ndim": lambda q, k, v: (q, k[0], v[0]),
     "mixed dtypes": lambda q, k, v: (q, k.astype(np.float64), v),
@@ -269,7 +300,7 @@ HALF_DECLINED = {
     "out not contiguous": lambda q, k, v, m: (q, k, v, None, np.empty((2, 4, 5, 12), q.dtype)[..., ::2]),
     "out overlapping key": lambda q, k, v, m: (q, k, v, None, k.reshape(-1)[:240].reshape(2, 4, 5, 6)),
     "empty": lambda q, k, v, m: (q[:, :, :0], k, v, None, None),
-    "2-d": lambda q, k, v, m: (q[0, 0], k[0, 0], v[0, 0], None, None),
+    "batch mismatch": lambda q, k, v, m: (q, np.concatenate([k, k[:1]]), np.concatenate([v, v[:1]]), None, None),
 }
 
 

@@ -191,8 +191,26 @@ py::object accepted_out(const py::object& out_obj, const py::dtype& dtype, const
   return std::move(out);
 }
 
-// The common call, q/k/v of one float dtype with equal leading shapes, at most a broadcast mask and
-// an out= array (no weights or copied inputs; 16-bit q/k/v arrive through sdpa_simple_half, with q
+// The output shape of a call the one-step path can take: q's shape with value_dim last and, for 4-D
+// inputs, the batch their batch axes broadcast to (each 1 or one common size, as the general path's
+// np.broadcast_shapes); empty when q, k and v are not all of one rank 2..4 (2-D: one head, (L, E);
+// 3-D: (heads, L, E)) or their batch axes do not broadcast that way.
+std::vector<py::ssize_t> simple_out_shape(const py::array& q, const py::array& k, const py::array& v) {
+  const py::ssize_t nd = q.ndim();
+  if (nd < 2 || nd > 4 || k.ndim() != nd || v.ndim() != nd) return {};
+  std::vector<py::ssize_t> shape(q.shape(), q.shape() + nd);
+  shape.back() = v.shape(nd - 1);
+  if (nd == 4) {
+    const py::ssize_t batch = std::max({q.shape(0), k.shape(0), v.shape(0)});
+    for (const py::array* x : {&q, &k, &v})
+      if (x->shape(0) != 1 && x->shape(0) != batch) return {};
+    shape[0] = batch;
+  }
+  return shape;
+}
+
+// The common call, q/k/v of one float dtype and rank 2..4 (simple_out_shape), at most a broadcast mask
+// and an out= array (no weights or copied inputs; 16-bit q/k/v arrive through sdpa_simple_half, with q
 // already widened and K/V as `storage`): checked and launched here without the Python layer's
 // general machinery (~15 us of interpreter time per call). Returns None for anything outside that
 // case, including every error, so the Python layer takes the general path and raises its usual
@@ -201,8 +219,9 @@ template <class T>
 py::object sdpa_simple_t(const py::array& q, const py::array& k, const py::array& v, const py::object& mask_obj,
                          const py::object& out_obj, int causal, bool gqa, double scale, bool default_scale,
                          int num_threads, Storage storage = Storage::same) {
+  std::vector<py::ssize_t> shape = simple_out_shape(q, k, v);
+  if (shape.empty()) return py::none();
   const py::ssize_t nd = q.ndim();
-  if ((nd != 3 && nd != 4) || k.ndim() != nd || v.ndim() != nd) return py::none();
   for (const py::array* x : {&q, &k, &v}) {
     const py::ssize_t item = x->itemsize();
     if (reinterpret_cast<uintptr_t>(x->data()) % uintptr_t(item) != 0) return py::none();
@@ -212,19 +231,18 @@ py::object sdpa_simple_t(const py::array& q, const py::array& k, const py::array
     }
     if (x->shape(nd - 1) > 1 && x->strides(nd - 1) != item) return py::none();
   }
-  const py::ssize_t h = nd - 3;  // the heads axis
-  if (nd == 4 && (k.shape(0) != q.shape(0) || v.shape(0) != q.shape(0))) return py::none();
-  const int64_t batch = nd == 4 ? q.shape(0) : 1, num_heads = q.shape(h), kv_heads = k.shape(h);
-  const int64_t q_len = q.shape(h + 1), kv_len = k.shape(h + 1), head_dim = q.shape(h + 2);
-  const int64_t value_dim = v.shape(h + 2);
-  if (k.shape(h + 2) != head_dim || v.shape(h + 1) != kv_len || v.shape(h) != kv_heads) return py::none();
+  const py::ssize_t l = nd - 2, e = nd - 1;  // the sequence and feature axes; heads nd - 3 (2-D: one head)
+  auto heads = [&](const py::array& x) { return nd >= 3 ? int64_t(x.shape(nd - 3)) : int64_t(1); };
+  const int64_t batch = nd == 4 ? shape[0] : 1, num_heads = heads(q), kv_heads = heads(k);
+  const int64_t q_len = q.shape(l), kv_len = k.shape(l), head_dim = q.shape(e), value_dim = v.shape(e);
+  if (k.shape(e) != head_dim || v.shape(l) != kv_len || heads(v) != kv_heads) return py::none();
   if (gqa ? num_heads % kv_heads != 0 : num_heads != kv_heads) return py::none();
   if (!default_scale && !std::isfinite(scale)) return py::none();
   if (num_threads < 0) return py::none();
   // A mask: bool or q's dtype, at least (L, S), every axis 1 or the full size (broadcast through
   // zero strides), non-negative strides, aligned.
   const int64_t full[4] = {batch, num_heads, q_len, kv_len};
-  const int64_t* full_tail = nd == 4 ? full : full + 1;
+  const int64_t* full_tail = full + (4 - nd);
   py::array mask;
   const bool has_mask = !mask_obj.is_none();
   bool mask_bool = false;
@@ -252,8 +270,6 @@ py::object sdpa_simple_t(const py::array& q, const py::array& k, const py::array
   // general path's ValueError, not a MemoryError from here. A caller's out= must be exactly what the
   // general path accepts: q's dtype and the output shape, C-contiguous, writeable, and no memory
   // bounds shared with an input (np.may_share_memory's test).
-  std::vector<py::ssize_t> shape(q.shape(), q.shape() + nd);
-  shape[size_t(nd - 1)] = value_dim;
   const py::object out_or_none = out_obj.is_none() ? on_line_or_none(py::dtype::of<T>(), shape, "out")
                                                    : accepted_out(out_obj, q.dtype(), shape, {q, k, v, mask_obj});
   if (out_or_none.is_none()) return py::none();
@@ -268,17 +284,21 @@ py::object sdpa_simple_t(const py::array& q, const py::array& k, const py::array
   a.kv_len = kv_len;
   a.head_dim = head_dim;
   a.value_dim = value_dim;
-  a.q_stride_l = q_len > 1 ? elems(q, h + 1) : 0;  // as _api._row_stride
-  a.k_stride_s = kv_len > 1 ? elems(k, h + 1) : 0;
-  a.v_stride_s = kv_len > 1 ? elems(v, h + 1) : 0;
+  a.q_stride_l = q_len > 1 ? elems(q, l) : 0;  // as _api._row_stride
+  a.k_stride_s = kv_len > 1 ? elems(k, l) : 0;
+  a.v_stride_s = kv_len > 1 ? elems(v, l) : 0;
   a.causal = causal != 0;
   a.causal_offset = causal == 2 ? kv_len - q_len : 0;
   a.scale = default_scale ? 1.0 / std::sqrt(double(head_dim)) : scale;
   std::vector<int64_t> offsets(size_t(4 * a.batch_heads));
-  // Element strides of the batch and head axes (0 where the axis has size 1, as _api._lead_strides).
-  auto lead = [&](const py::array& x, py::ssize_t d) { return x.shape(d) > 1 ? elems(x, d) : int64_t(0); };
-  const int64_t qs[2] = {nd == 4 ? lead(q, 0) : 0, lead(q, h)}, ks[2] = {nd == 4 ? lead(k, 0) : 0, lead(k, h)},
-                vs[2] = {nd == 4 ? lead(v, 0) : 0, lead(v, h)};
+  // Element strides of the batch and head axes (0 where the axis has size 1 or is absent, as
+  // _api._lead_strides: a batch axis of size 1 broadcasts).
+  auto lead = [&](const py::array& x, py::ssize_t d) {
+    return d >= 0 && x.shape(d) > 1 ? elems(x, d) : int64_t(0);
+  };
+  const py::ssize_t b_ax = nd - 4, h_ax = nd - 3;
+  const int64_t qs[2] = {lead(q, b_ax), lead(q, h_ax)}, ks[2] = {lead(k, b_ax), lead(k, h_ax)},
+                vs[2] = {lead(v, b_ax), lead(v, h_ax)};
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t hq = 0; hq < num_heads; ++hq) {
       const int64_t bh = b * num_heads + hq, hk = hq / a.group;
@@ -335,8 +355,9 @@ int half_storage_of(const py::dtype& dt) {
 py::object sdpa_simple_half(const py::array& q, const py::array& k, const py::array& v, const py::object& mask_obj,
                             const py::object& out_obj, int causal, bool gqa, double scale, bool default_scale,
                             int num_threads, int storage) {
+  std::vector<py::ssize_t> out_shape = simple_out_shape(q, k, v);
+  if (num_threads < 0 || out_shape.empty()) return py::none();
   const py::ssize_t nd = q.ndim();
-  if (num_threads < 0 || (nd != 3 && nd != 4) || v.ndim() != nd) return py::none();
   // q any view whose rows (last axis) are contiguous, as a (batch, seq, heads, head_dim) array
   // viewed heads first; widened row by row below.
   if (reinterpret_cast<uintptr_t>(q.data()) % 2 != 0) return py::none();
@@ -346,8 +367,6 @@ py::object sdpa_simple_half(const py::array& q, const py::array& k, const py::ar
   if (!mask_obj.is_none() && !(exact_ndarray(mask_obj) && is_bool(py::reinterpret_borrow<py::array>(mask_obj))))
     return py::none();
   const std::vector<py::ssize_t> shape(q.shape(), q.shape() + nd);
-  std::vector<py::ssize_t> out_shape = shape;
-  out_shape.back() = v.shape(nd - 1);
   py::object out_or_none = py::none();
   if (!out_obj.is_none()) {  // the general path's conditions for converting straight into out=
     out_or_none = accepted_out(out_obj, q.dtype(), out_shape, {q, k, v, mask_obj});
