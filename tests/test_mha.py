@@ -952,6 +952,34 @@ def test_linear_unpacked_weight_views(isa, dtype, rng):
             np.testing.assert_array_equal(w, saved)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_linear_unpacked_one_or_two_rows(isa, dtype, rng, rows):
+    # One or two rows read the weight as it is, a lanes x lanes block at a time through the
+    # in-register transpose (gemm.inc, gemm_short_unpacked), two blocks at a time unless the rows
+    # share L1 sets (row lengths of a multiple of 1-4 KiB); three rows pack first. Every size around
+    # the blocks, weight rows cut from a NaN-filled parent, reversed and skipped rows, with and
+    # without bias, 1 and 2 threads: the bits of the packed-beforehand GEMM.
+    sizes = list(itertools.product((1, 3, 8, 15, 16, 17, 33, 40, 70, 300), (1, 5, 8, 16, 23, 64, 67, 130)))
+    sizes += [(40, 512), (70, 1024), (33, 768), (64, 2048)]
+    for n, k in sizes:
+        parent = random_array(rng, (2 * n + 3, k + 9), dtype)
+        parent[:3] = np.nan
+        parent[:, :2] = np.nan
+        x = random_array(rng, (rows, k), dtype)
+        bias = random_array(rng, (n,), dtype)
+        for w in (parent[3:n + 3, 2:k + 2], parent[n + 2:2:-1, 2:k + 2], parent[3::2, 2:k + 2][:n],
+                  np.ascontiguousarray(parent[3:n + 3, 2:k + 2])):
+            packed, panel = pyattn._core.pack_weights(np.ascontiguousarray(w))
+            for b in (bias, None):
+                expected = np.empty((rows, n), dtype)
+                pyattn._core.linear(x, packed, panel, n, b, expected, 2)
+                assert np.isfinite(expected).all()
+                for threads in (1, 2):
+                    got = np.full((rows, n), np.nan, dtype)
+                    pyattn._core.linear(x, w, panel, n, b, got, threads)
+                    np.testing.assert_array_equal(got, expected, err_msg=f"n={n} k={k} threads={threads}")
+
+
 def test_linear_empty_inner_dimension(isa, dtype, rng):
     # k = 0: every output is its bias, whether the weight comes packed or as it is.
     bias = random_array(rng, (5,), dtype)

@@ -4,7 +4,8 @@
 //
 // Tasks are (block of rows, weight panel) pairs, row-block major, so a thread that takes consecutive
 // panels of one row block keeps those A rows in its L2. A weight not packed beforehand is packed
-// by the tasks themselves, panel by panel into per-thread scratch. Each C element is produced by one task with
+// by the tasks themselves, panel by panel into per-thread scratch, or for one or two rows of A read
+// as it is (gemm.inc, gemm_short_unpacked). Each C element is produced by one task with
 // the full K reduction, so results do not depend on the thread count.
 
 #include <algorithm>
@@ -68,12 +69,14 @@ void linear(const GemmArgs<T>& g, int num_threads) {
   // W as given (not packed beforehand): each thread packs the panels of its task into its slice of
   // the calling thread's scratch (allocated here, before the parallel region, which no exception
   // may leave), at most `group` panels of k x panel: L2-sized for the k of a layer.
-  const size_t per_thread = g.packed ? 0 : size_t(group * g.k * ks.gemm_panel);
-  T* const scratch = g.packed ? nullptr : grow_only_scratch<PackScratch, T>(std::max<size_t>(1, per_thread * size_t(threads)));
+  // One or two rows read W as it is (gemm.inc, gemm_short_unpacked): packing would double their work.
+  const bool as_is = g.packed || g.m <= 2;
+  const size_t per_thread = as_is ? 0 : size_t(group * g.k * ks.gemm_panel);
+  T* const scratch = as_is ? nullptr : grow_only_scratch<PackScratch, T>(std::max<size_t>(1, per_thread * size_t(threads)));
   auto body = [&](int64_t t) {
     const int64_t rb = t / groups, p0 = t % groups * group, p1 = std::min(panels, p0 + group);
     const int64_t r0 = rb * task_rows, r1 = std::min(g.m, r0 + task_rows);
-    if (g.packed) return ks.gemm(g, r0, r1, p0, p1);
+    if (as_is) return ks.gemm(g, r0, r1, p0, p1);
     // The same kernel over the columns of panels [p0, p1), packed first; a panel is packed once per
     // block of task_rows rows, 1/task_rows of the multiply-adds that use it.
     const int64_t col0 = p0 * ks.gemm_panel;

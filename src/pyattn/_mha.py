@@ -60,7 +60,8 @@ class _Weights:
         """(q, k, v, o) weights as the core's layer calls take them: packed for the active ISA once
         this object has packed (MultiHeadAttention packs at construction), else the weight arrays
         themselves (pyattn.mha: one call, whose GEMM tasks pack the panels they compute into
-        per-thread scratch: no four fresh packed copies per call, same results)."""
+        per-thread scratch, or for one or two rows read them in place: no four fresh packed copies
+        per call, same results)."""
         if self._packed:
             return self.packed()[0]
         return tuple(_kernel_layout(x, name=n) for x, n in zip(
@@ -324,10 +325,12 @@ def mha(query, key=None, value=None, *, num_heads, in_proj_weight=None, in_proj_
 
     Notes
     -----
-    The projection GEMM packs the weights' panels on every call (into per-thread scratch; the results
-    are those of MultiHeadAttention bit for bit): a decode step at embed_dim 768 over 1000 cached
-    tokens takes ~1.6 ms this way against ~0.65 ms through the layer (2-core Zen 3). For repeated
-    calls with the same weights, decoding above all, use MultiHeadAttention, which packs them once.
+    The projection GEMM packs the weights' panels on every call with three or more input rows (into
+    per-thread scratch) and reads them in place for one or two; the results are those of
+    MultiHeadAttention bit for bit. A decode step still takes 1.1-1.4x (embed_dim 768-2048) the
+    layer's time, which also skips this function's per-call weight checks (2-core Zen 3). For
+    repeated calls with the same weights, decoding above all, use MultiHeadAttention, which packs
+    them once.
     """
     q = _array(query, "query")
     k, v = _key_value(q, key, value)
