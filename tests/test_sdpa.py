@@ -71,9 +71,10 @@ def test_block_boundaries(isa, dtype, rng, q_len, kv_len):
 
 
 # Query tiles run with as few row vectors as hold their rows (1 .. row_vecs: 16..64 rows on AVX-512
-# float32, 8..32 float64; AVX2: 8..24 float32, 4..12 float64): q_len past the decode kernel's limit but short of a block,
-# and whole blocks plus a remainder of every width, for every ISA and dtype; boolean mask with a
-# lower-right causal limit, and the weights (written by the same tile width).
+# float32, 8..32 float64; AVX2: 8..24 float32, 4..12 float64), a query's row vectors shared out
+# evenly over its blocks (attention.cpp): q_len past the decode kernel's limit but short of a block,
+# and several blocks of every width with a ragged last row vector, for every ISA and dtype; boolean
+# mask with a lower-right causal limit, and the weights (written by the same tile width).
 @pytest.mark.parametrize(
     "q_len", [pyattn._core.DECODE_MAX_Q_LEN + 1, 17, 24, 33, 48, 65, 73, 81, 89, 97, 113, 121]
 )
@@ -88,13 +89,15 @@ def test_tile_widths(isa, dtype, rng, q_len, variant):
     check_against_reference(q, k, v, mask, is_causal="lower_right", return_weights=variant == "weights")
 
 
-# Tiles of fewer row vectors than the widest (a block's remainder, the causal diagonal's first row
-# vectors) run wider register tiles: more key and value columns per tile (AVX2 float32: 2 x 6 and
-# 1 x 12; AVX-512: 3 x 5, 2 x 8, 1 x 16), then 4-column tiles, then single columns. Remainders of one
-# and two row vectors on every ISA and dtype (q_len 24k + 8/16, 64k + 16/32/48, 12k + 4/8), value and
+# Tiles of fewer row vectors than the widest (a query of few vectors, blocks that share a query's
+# vectors evenly, the causal diagonal's first row vectors) run wider register tiles: more key and
+# value columns per tile (AVX2 float32: 2 x 6 and 1 x 12; AVX-512: 3 x 5, 2 x 8, 1 x 16), then
+# 4-column tiles, then single columns. Tiles of one row vector (a query of at most one vector; up to
+# 8 rows only with the weights, which the decode kernel does not write) and of two (q_len 12, 32,
+# 40, 80: blocks of 2 vectors on AVX2 float32; 32, 80 on AVX-512) on every ISA and dtype, value and
 # key counts around those widths, forbidden keys whose V rows are NaN (the guarded P.V tiles), the
 # lower-right causal diagonal, and the weights.
-@pytest.mark.parametrize("q_len", [20, 32, 40, 80, 112])
+@pytest.mark.parametrize("q_len", [3, 8, 12, 20, 32, 40, 80, 112])
 @pytest.mark.parametrize("value_dim", [1, 3, 5, 6, 7, 8, 11, 12, 13, 17, 24, 25, 33])
 def test_narrow_tile_columns(isa, dtype, rng, q_len, value_dim):
     kv_len = q_len + 29
@@ -103,8 +106,9 @@ def test_narrow_tile_columns(isa, dtype, rng, q_len, value_dim):
     allowed = rng.random((q_len, kv_len)) < 0.85
     allowed[:, 5] = False
     v[..., 5, :] = np.nan
-    check_against_reference(q, k, v, allowed, is_causal="lower_right", return_weights=value_dim % 4 == 1)
-    check_against_reference(q, k, v, allowed)
+    weights = value_dim % 4 == 1 or q_len <= pyattn._core.DECODE_MAX_Q_LEN
+    check_against_reference(q, k, v, allowed, is_causal="lower_right", return_weights=weights)
+    check_against_reference(q, k, v, allowed, return_weights=q_len <= pyattn._core.DECODE_MAX_Q_LEN)
 
 
 @pytest.mark.parametrize(
