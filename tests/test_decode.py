@@ -725,6 +725,73 @@ def test_attend_and_views_name_lengths_edited_out_of_range(rng, bad):
         cache.trim(1)
 
 
+@pytest.mark.parametrize("batch", [1, 3, 64, 65])  # the bounds are checked on a list up to 64 rows, by NumPy above
+@pytest.mark.parametrize("row", [0, -1])
+@pytest.mark.parametrize("bad", [-1, 7, 8, 9])  # max_len 8: 7 and 8 are fine until a token is appended
+def test_lengths_edited_in_place_are_checked_by_every_method(rng, batch, row, bad):
+    """An in-place edit of the public lengths is seen by every method: out of [0, max_len] (or with no
+    room for the new token) gives a ValueError and changes nothing, in range it is where the next
+    token goes."""
+    layer = make_layer(rng, 8, 2, 1, np.float32)
+    cache = pyattn.KVCache(batch, 1, 4, 8)
+    layer(random_array(rng, (batch, 2, 8), np.float32), kv_cache=cache)
+    cache.lengths[row] = bad
+    fits = 0 <= bad <= 7
+    calls = [
+        ("layer", lambda: layer(random_array(rng, (batch, 1, 8), np.float32), kv_cache=cache), fits),
+        ("append", lambda: cache.append(kv(rng, batch, 1, 1, 4), kv(rng, batch, 1, 1, 4)), fits),
+        ("truncate", lambda: cache.truncate(5), 0 <= bad <= 8),
+        ("trim", lambda: cache.trim(0), 0 <= bad <= 8),
+        ("keys", lambda: cache.keys(row), 0 <= bad <= 8),
+    ]
+    for name, call, ok in calls:
+        before = cache.lengths.copy()
+        if ok:
+            call()
+            if name in ("layer", "append"):
+                expected = before + 1
+            elif name == "truncate":
+                expected = np.minimum(before, 5)
+            else:
+                expected = before
+            assert cache.lengths.tolist() == expected.tolist(), name
+            cache.lengths = before.copy()
+            continue
+        with pytest.raises(ValueError, match="lengths|max_len"):
+            call()
+        assert cache.lengths.tolist() == before.tolist(), name
+
+
+@pytest.mark.parametrize("batch", [2, 65])
+def test_lengths_replaced_by_other_arrays(rng, batch):
+    """lengths replaced by a list or another integer dtype still works (the same lengths); by floats,
+    another shape or a non-array it is a ValueError naming lengths, never a silently rounded length."""
+    layer = make_layer(rng, 8, 2, 1, np.float32)
+    x = random_array(rng, (batch, 1, 8), np.float32)
+    reference = pyattn.KVCache(batch, 1, 4, 8)
+    layer(random_array(rng, (batch, 3, 8), np.float32), kv_cache=reference)
+    for replacement in ([3] * batch, np.full(batch, 3, np.int32), np.full(batch, 3, np.uint8)):
+        cache = pyattn.KVCache(batch, 1, 4, 8)
+        cache._k[...], cache._v[...] = reference._k, reference._v
+        cache.lengths = replacement
+        np.testing.assert_array_equal(layer(x, kv_cache=cache), layer(x, kv_cache=_copy_cache(reference)))
+        assert cache.lengths.dtype == np.int64 and cache.lengths.tolist() == [4] * batch
+    for replacement in (np.full(batch, 3.0), np.full(batch, 3.7), np.full((batch, 1), 3), np.full(batch + 1, 3), "3"):
+        cache = _copy_cache(reference)
+        cache.lengths = replacement
+        for call in (lambda: layer(x, kv_cache=cache), lambda: cache.truncate(2), lambda: cache.keys(0)):
+            with pytest.raises(ValueError, match="lengths"):
+                call()
+
+
+def _copy_cache(cache):
+    copy = pyattn.KVCache(cache.batch, cache.num_kv_heads, cache.head_dim, cache.max_len, value_dim=cache.value_dim,
+                          dtype=cache.dtype)
+    copy._k[...], copy._v[...] = cache._k, cache._v
+    copy.lengths = cache.lengths.copy()
+    return copy
+
+
 def test_reset_and_trim_then_decode_like_fresh(isa, rng):
     """Decoding after reset() equals a fresh cache; after trimming rejected (speculative) tokens it
     equals a cache that never saw them."""
