@@ -771,8 +771,7 @@ def test_lengths_replaced_by_other_arrays(rng, batch):
     reference = pyattn.KVCache(batch, 1, 4, 8)
     layer(random_array(rng, (batch, 3, 8), np.float32), kv_cache=reference)
     for replacement in ([3] * batch, np.full(batch, 3, np.int32), np.full(batch, 3, np.uint8)):
-        cache = pyattn.KVCache(batch, 1, 4, 8)
-        cache._k[...], cache._v[...] = reference._k, reference._v
+        cache = _copy_cache(reference)
         cache.lengths = replacement
         np.testing.assert_array_equal(layer(x, kv_cache=cache), layer(x, kv_cache=_copy_cache(reference)))
         assert cache.lengths.dtype == np.int64 and cache.lengths.tolist() == [4] * batch

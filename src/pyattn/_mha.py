@@ -329,9 +329,8 @@ def mha(query, key=None, value=None, *, num_heads, in_proj_weight=None, in_proj_
     per-thread scratch) and reads them in place for one or two; the results are those of
     MultiHeadAttention bit for bit. A decode step still takes 1.1-1.4x (embed_dim 768-2048; 1.5-1.7x
     at 256) the layer's time, which streams packed weights and skips this function's per-call
-    weight checks (2-core Zen 3). For
-    repeated calls with the same weights, decoding above all, use MultiHeadAttention, which packs
-    them once.
+    weight checks (2-core Zen 3). For repeated calls with the same weights, decoding above all, use
+    MultiHeadAttention, which packs them once.
     """
     q = _array(query, "query")
     k, v = _key_value(q, key, value)
