@@ -167,7 +167,7 @@ MISTAKES = (
     "bad_dtype", "mixed_dtype", "ndim1", "key_dim", "value_len", "value_heads", "heads_no_gqa",
     "gqa_ratio", "batch_mismatch", "mask_dtype", "mask_shape", "mask_extra_batch", "scale_nonfinite",
     "scale_type", "threads_value", "threads_type", "causal_value", "out_shape", "out_dtype", "out_layout",
-    "out_readonly", "out_type", "out_overlap",
+    "out_readonly", "out_type", "out_overlap", "masked",
 )
 
 
@@ -326,6 +326,13 @@ def cases(draw):
     if mask is not None:
         mask = _layout(mask, layouts[3], rng)
     tags += [f"layout:{lay}" for lay in set(layouts)]
+    if mistake == "masked" and error is None:  # a numpy.ma array: its mask would be dropped, so refused
+        arrays = {"query": query, "key": key, "value": value, "attn_mask": mask}
+        which = draw(st.sampled_from([n for n, x in arrays.items() if isinstance(x, np.ndarray) and x.ndim]))
+        x = arrays[which]
+        masked = np.ma.masked_array(x, mask=rng.random(x.shape) < 0.3)
+        query, key, value, mask = (masked if n == which else a for n, a in arrays.items())
+        fail(TypeError, which)
     if error is None and dtype == "float64" and query.size > 0 and draw(st.integers(0, 9)) == 0:
         query = query.tolist()  # any array-like is accepted
         tags.append("layout:list")

@@ -116,6 +116,24 @@ def test_non_native_byte_order_is_refused(rng, which, dtype):
         sdpa(**args)
 
 
+@pytest.mark.parametrize("name", ["query", "key", "value", "attn_mask", "out"])
+@pytest.mark.parametrize("masked", ["one entry", "none"])
+def test_masked_arrays_are_refused(qkv, name, masked):
+    # np.asarray keeps a numpy.ma array's data and drops its mask, so a masked key was attended to
+    # (and a masked out= entry overwritten but still hidden) without a word. Refused, like any input
+    # pyattn cannot honour, even with nothing masked: the type promises what the kernels ignore.
+    q, k, v = qkv
+    args = {"query": q, "key": k, "value": v, "attn_mask": np.ones((5, 7), bool), "out": np.empty((2, 4, 5, 6), np.float32)}
+    plain = sdpa(q, k, v, attn_mask=args["attn_mask"])
+    mask = np.zeros(args[name].shape, bool)
+    if masked == "one entry":
+        mask.flat[0] = True
+    args[name] = np.ma.masked_array(args[name], mask=mask)
+    with pytest.raises(TypeError, match=rf"^{name}: masked arrays \(numpy.ma\) are not supported"):
+        sdpa(args.pop("query"), args.pop("key"), args.pop("value"), **args)
+    np.testing.assert_array_equal(sdpa(q, k, v, attn_mask=np.ones((5, 7), bool)), plain)  # nothing else changed
+
+
 def test_list_inputs_are_not_silently_promoted(qkv):
     q, k, v = qkv
     with pytest.raises(TypeError):

@@ -699,6 +699,13 @@ def test_truncate_keeps_the_chunk_queries_positions(isa, rng, left):
     (lambda c: c.attend(np.zeros((2, 2, 1, 4), np.float32), scale="0.5"), "scale", TypeError),
     (lambda c: c.attend(np.zeros((2, 2, 1, 4), np.float32), scale=True), "scale", TypeError),
     (lambda c: c.attend(np.zeros((2, 2, 1, 4), np.float32), scale=1j), "scale", TypeError),
+    (lambda c: c.append(np.ma.zeros((2, 1, 1, 4), np.float32), np.zeros((2, 1, 1, 4), np.float32)), "key", TypeError),
+    (lambda c: c.append(np.zeros((2, 1, 1, 4), np.float32), np.ma.zeros((2, 1, 1, 4), np.float32)), "value", TypeError),
+    (lambda c: c.append(np.zeros((2, 1, 2, 4), np.float32), np.zeros((2, 1, 2, 4), np.float32),
+                        num_new=np.ma.masked_array([2, 1], mask=[False, True])), "num_new", TypeError),
+    (lambda c: c.attend(np.ma.zeros((2, 2, 1, 4), np.float32)), "query", TypeError),
+    (lambda c: c.truncate(np.ma.masked_array([0, 1], mask=[True, False])), "length", TypeError),
+    (lambda c: c.trim(np.ma.masked_array([1, 0], mask=[True, False])), "count", TypeError),
     (lambda c: pyattn.KVCache(1, 1, 4, 8, dtype="float8"), "dtype", TypeError),
     (lambda c: pyattn.KVCache(1, 1, 4, 8, dtype=None), "dtype", TypeError),
 ])
@@ -781,6 +788,12 @@ def test_lengths_replaced_by_other_arrays(rng, batch):
         for call in (lambda: layer(x, kv_cache=cache), lambda: cache.truncate(2), lambda: cache.keys(0)):
             with pytest.raises(ValueError, match="lengths"):
                 call()
+    # A masked array's data would be used as the lengths, its mask dropped: refused by every method.
+    cache = _copy_cache(reference)
+    cache.lengths = np.ma.masked_array(np.full(batch, 3), mask=np.arange(batch) == 0)
+    for call in (lambda: layer(x, kv_cache=cache), lambda: cache.truncate(2), lambda: cache.keys(0)):
+        with pytest.raises(TypeError, match="^lengths: masked arrays"):
+            call()
 
 
 def _copy_cache(cache):

@@ -183,6 +183,21 @@ def test_layer_forms_agree(rng):
         explain(x, w, attn_mask=np.zeros((4, 4), dtype=np.int32))
 
 
+def test_masked_arrays_are_refused(rng):
+    # Their masks would be dropped by np.asarray: a masked padding flag read as "not padding".
+    w = random_layer(rng, bias=False)
+    x = rng.standard_normal((2, 4, 8))
+    some = np.zeros((2, 4), bool)
+    some[0, -1] = True
+    for name, kwargs in [("x", {"x": np.ma.masked_array(x, mask=np.zeros(x.shape, bool))}),
+                         ("out_proj.weight", {"layer_or_weights": {**w, "out_proj.weight": np.ma.masked_array(w["out_proj.weight"])}}),
+                         ("attn_mask", {"attn_mask": np.ma.masked_array(np.zeros((4, 4), bool))}),
+                         ("key_padding_mask", {"key_padding_mask": np.ma.masked_array(np.zeros((2, 4), bool), mask=some)})]:
+        args = {"x": x, "layer_or_weights": w, **kwargs}
+        with pytest.raises(TypeError, match=rf"^{name}: masked arrays"):
+            explain(args.pop("x"), args.pop("layer_or_weights"), **args)
+
+
 def test_batched_input_gives_one_explanation_per_item(rng):
     w = random_layer(rng)
     x = rng.standard_normal((3, 5, 8))

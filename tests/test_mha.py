@@ -815,6 +815,32 @@ def test_mixed_dtypes(layer_args, name):
         mha(**layer_args)
 
 
+@pytest.mark.parametrize("name", ["query", "key", "value", "q_proj_weight", "k_proj_bias", "out_proj_weight",
+                                  "out_proj_bias", "attn_mask", "key_padding_mask"])
+def test_masked_arrays_are_refused(layer_args, name):
+    # A numpy.ma array's mask would be dropped (np.asarray keeps the data): a masked padding flag
+    # or weight would count as unmasked. TypeError naming the argument, in mha and in the layer.
+    layer_args["attn_mask"] = np.zeros((5, 7), bool)
+    layer_args["key_padding_mask"] = np.zeros((2, 7), bool)
+    mask = np.zeros(layer_args[name].shape, bool)
+    mask.flat[-1] = True
+    layer_args[name] = np.ma.masked_array(layer_args[name], mask=mask)
+    with pytest.raises(TypeError, match=rf"^{name}: masked arrays \(numpy.ma\) are not supported"):
+        mha(**layer_args)
+
+
+def test_masked_arrays_are_refused_by_the_layer(layer_args):
+    layer = pyattn.MultiHeadAttention(16, 4, kdim=6, vdim=10)
+    state = layer.state_dict()
+    with pytest.raises(TypeError, match=r"^out_proj.weight: masked arrays"):
+        layer.load_state_dict({**state, "out_proj.weight": np.ma.masked_array(state["out_proj.weight"])})
+    with pytest.raises(TypeError, match=r"^query: masked arrays"):
+        layer(np.ma.masked_array(layer_args["query"]), layer_args["key"], layer_args["value"])
+    with pytest.raises(TypeError, match=r"^key_padding_mask: masked arrays"):
+        layer(layer_args["query"], layer_args["key"], layer_args["value"],
+              key_padding_mask=np.ma.masked_array(np.zeros((2, 7), bool), mask=True))
+
+
 @pytest.mark.parametrize("bad_dtype", [np.int64, np.complex64, object])
 def test_non_float_query(layer_args, bad_dtype):
     layer_args["query"] = layer_args["query"].astype(bad_dtype)

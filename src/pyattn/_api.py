@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 
 import numpy as np
 
@@ -34,7 +35,23 @@ _SIMPLE_CAUSAL = {k: {None: 0, "upper_left": 1, "lower_right": 2}[v] for k, v in
 _MAX_THREADS = 2**31 - 1  # the core takes a C int; larger requests are capped (threads <= work items anyway)
 
 
+def _refuse_masked(x, name):
+    """TypeError for a numpy.ma masked array: np.asarray keeps its data and drops its mask, so the
+    masked entries would take part as if unmasked (a masked key attended to, a masked padding flag
+    ignored, a masked out= entry overwritten but still hidden) and the result would differ from what
+    the array says, silently. Cheap for plain arrays (no numpy.ma import: a masked array's module is
+    loaded already)."""
+    if type(x) is not np.ndarray:
+        ma = sys.modules.get("numpy.ma")
+        if ma is not None and isinstance(x, ma.MaskedArray):
+            raise TypeError(
+                f"{name}: masked arrays (numpy.ma) are not supported: their masked entries would be read as "
+                f"if unmasked; pass a plain array (e.g. {name}.filled(...))"
+            )
+
+
 def _as_float_array(x, name):
+    _refuse_masked(x, name)
     if not isinstance(x, np.ndarray):
         if x is None:
             raise TypeError(f"{name}: expected a NumPy array, got None")
@@ -102,6 +119,7 @@ def _row_stride(x, axis):
 def _check_out(out, shape, dtype, inputs):
     if not isinstance(out, np.ndarray):
         raise TypeError(f"out: expected a NumPy array, got {type(out).__name__}")
+    _refuse_masked(out, "out")
     if out.dtype != dtype:
         raise TypeError(f"out: dtype must be {dtype}, got {out.dtype}")
     if out.shape != shape:
@@ -310,6 +328,7 @@ def scaled_dot_product_attention(
 
     mask = None
     if attn_mask is not None:
+        _refuse_masked(attn_mask, "attn_mask")
         mask = attn_mask if isinstance(attn_mask, np.ndarray) else np.asarray(attn_mask)
         if mask.dtype != np.bool_ and mask.dtype != dtype:
             raise TypeError(f"attn_mask: dtype must be bool or the query's dtype ({dtype}), got {mask.dtype}")

@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from . import _core
-from ._api import _HALF_STORAGE, _LINE, _SUPPORTED, _allocate, _is_half, _scale_value, _threads_value
+from ._api import _HALF_STORAGE, _LINE, _SUPPORTED, _allocate, _is_half, _refuse_masked, _scale_value, _threads_value
 
 
 def _storage_dtype(dtype):
@@ -77,6 +77,7 @@ def _per_row(value, name, batch):
     """An int, or one int per batch row, as (batch,) int64; TypeError/ValueError naming `name`."""
     if type(value) is int and value >= 0:  # the common case: ~1 us instead of ~8 through NumPy's checks
         return _filled_ints(value, batch)
+    _refuse_masked(value, name)
     arr = np.asarray(value)
     if arr.dtype.kind not in "iu":  # bool is kind "b"
         raise TypeError(f"{name}: expected an int or {batch} ints, got {value!r}")
@@ -147,6 +148,8 @@ class KVCache:
         lengths); they are the first num_new[b] tokens (right padding) or, with left_padded=True,
         the last ones. Raises ValueError, changing nothing, if a row would exceed max_len.
         """
+        _refuse_masked(key, "key")
+        _refuse_masked(value, "value")
         k = np.asarray(key)
         v = np.asarray(value)
         if k.ndim != 4 or k.shape[0] != self.batch or k.shape[1] != self.num_kv_heads or k.shape[3] != self.head_dim:
@@ -177,6 +180,7 @@ class KVCache:
             if before is not None:
                 return before, counts, before + counts
         else:
+            _refuse_masked(num_new, "num_new")
             counts = np.asarray(num_new)
             if counts.shape != (self.batch,) or counts.dtype.kind not in "iu":
                 raise ValueError(f"num_new: expected {self.batch} integers, got {counts!r}")
@@ -245,6 +249,7 @@ class KVCache:
         valid = self._lengths_if_valid()
         if valid is not None:
             return valid.copy()
+        _refuse_masked(self.lengths, "lengths")
         lengths = np.asarray(self.lengths)
         if lengths.shape != (self.batch,) or lengths.dtype.kind not in "iu" or (lengths < 0).any() or \
                 (lengths > self.max_len).any():
@@ -302,6 +307,7 @@ class KVCache:
         off num_new[b], so the queries keep their positions. Returns (batch, num_heads, chunk,
         value_dim) in float32 for 16-bit caches, else the cache dtype.
         """
+        _refuse_masked(query, "query")
         q = np.asarray(query)
         if q.ndim != 4 or q.shape[0] != self.batch or q.shape[3] != self.head_dim:
             raise ValueError(f"query: expected shape ({self.batch}, num_heads, chunk, {self.head_dim}), got {q.shape}")

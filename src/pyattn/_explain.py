@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ._api import _refuse_masked
 from ._explain_render import plot_heatmaps, render_text
 
 __all__ = ["Explanation", "HeadSteps", "explain", "main", "plot_heatmaps", "render_text"]
@@ -95,6 +96,7 @@ class Explanation:
 
 
 def _as_float64(value, name):
+    _refuse_masked(value, name)
     array = np.asarray(value, dtype=np.float64)
     if array.dtype == object:  # pragma: no cover - np.asarray(..., float64) already refuses these
         raise TypeError(f"{name}: expected a numeric array")
@@ -316,6 +318,8 @@ def explain(
     if layer_heads is not None and layer_heads != num_heads:
         raise ValueError(f"num_heads: {num_heads} differs from the layer's {layer_heads}")
     x = _as_float64(x, "x")
+    _refuse_masked(attn_mask, "attn_mask")  # before the batched path below slices them
+    _refuse_masked(key_padding_mask, "key_padding_mask")
     if x.ndim == 2:
         return _explain_one(x, weights, num_heads, tokens, is_causal, attn_mask, key_padding_mask)
     if x.ndim != 3:
