@@ -61,3 +61,54 @@ def test_matches_torch_broadcast_mask_and_batch(dtype, rng):
     mask = mask_with_a_key_per_row(rng, (13,), "bool", dtype)
     got = pyattn.scaled_dot_product_attention(q, k, v, mask)
     assert_close(got, torch_sdpa(q, k, v, mask), dtype)
+
+
+def test_tensors_are_read_like_arrays(rng):
+    """Tensors go wherever arrays go, as their values: detached (pyattn is inference only; numpy()
+    refuses a tensor that requires grad, which reached the user as an unnamed RuntimeError),
+    bfloat16 through ml_dtypes (numpy() has none), and a dtype NumPy lacks is a TypeError naming the
+    argument."""
+    q, k, v = make_qkv(rng, np.float32, batch=(2,), q_heads=4, q_len=5, kv_len=7, head_dim=8)
+    expected = pyattn.scaled_dot_product_attention(q, k, v)
+    tq, tk, tv = (torch.from_numpy(x.copy()) for x in (q, k, v))
+    got = pyattn.scaled_dot_product_attention(tq.requires_grad_(), tk, torch.nn.Parameter(tv),
+                                              attn_mask=torch.ones(5, 7, dtype=torch.bool))
+    np.testing.assert_array_equal(got, expected)
+    assert isinstance(got, np.ndarray) and not tq.grad_fn and tq.grad is None
+
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    half = [x.astype(ml_dtypes.bfloat16) for x in (q, k, v)]
+    got = pyattn.scaled_dot_product_attention(*(torch.from_numpy(x.astype(np.float32)).bfloat16() for x in half))
+    assert got.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(got.view(np.uint16), pyattn.scaled_dot_product_attention(*half).view(np.uint16))
+
+    cache = pyattn.KVCache(2, 4, 8, 16, dtype=ml_dtypes.bfloat16)
+    cache.append(torch.from_numpy(k).bfloat16().requires_grad_(), torch.from_numpy(v).bfloat16(),
+                 num_new=torch.tensor([7, 6]))
+    assert cache.lengths.tolist() == [7, 6]
+    np.testing.assert_array_equal(cache.keys(0).view(np.uint16), k[0].astype(ml_dtypes.bfloat16).view(np.uint16))
+    query = k * 0.5  # a chunk as long as the last append (7 tokens)
+    np.testing.assert_array_equal(cache.attend(torch.from_numpy(query).requires_grad_()), cache.attend(query))
+
+    with pytest.raises(TypeError, match="^key: a torch tensor of dtype torch.float8_e4m3fn has no NumPy"):
+        pyattn.scaled_dot_product_attention(tq, tk.to(torch.float8_e4m3fn), tv)
+    with pytest.raises(TypeError, match="^value: a torch tensor of dtype torch.float8_e5m2 has no NumPy"):
+        cache.append(torch.from_numpy(k[:, :, :1]), torch.from_numpy(v[:, :, :1]).to(torch.float8_e5m2))
+    assert cache.lengths.tolist() == [7, 6]
+
+
+def test_mha_and_explain_take_tensors_that_require_grad(rng):
+    layer = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    ours = pyattn.MultiHeadAttention.from_torch(layer)
+    expected = ours(x.detach().numpy())
+    weights = {name: p for name, p in layer.named_parameters()}  # these require grad
+    np.testing.assert_array_equal(pyattn.mha(x, num_heads=4, in_proj_weight=weights["in_proj_weight"],
+                                             in_proj_bias=weights["in_proj_bias"],
+                                             out_proj_weight=weights["out_proj.weight"],
+                                             out_proj_bias=weights["out_proj.bias"]), expected)
+    explained = pyattn.explain(x[0], {**weights, "num_heads": 4})
+    np.testing.assert_allclose(explained.output, expected[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="^query: dtype must be float32 or float64, got bfloat16"):
+        pyattn.mha(x.bfloat16(), num_heads=4, in_proj_weight=weights["in_proj_weight"],
+                   out_proj_weight=weights["out_proj.weight"])

@@ -50,12 +50,40 @@ def _refuse_masked(x, name):
             )
 
 
+def _tensor_values(x, name):
+    """A torch tensor's values as a NumPy array (no copy for a CPU tensor): detached, since pyattn
+    is inference only (numpy() refuses a tensor that requires grad), bfloat16 as ml_dtypes.bfloat16
+    (numpy() has no bfloat16), and a dtype NumPy lacks a TypeError naming the argument instead of
+    torch's unnamed one."""
+    t = x.detach().cpu()
+    torch = sys.modules.get(type(x).__module__.split(".")[0])
+    if torch is not None and t.dtype == getattr(torch, "bfloat16", None):
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise TypeError(f"{name}: a bfloat16 tensor needs the ml_dtypes package (pip install ml_dtypes)") from None
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    try:
+        return t.numpy()
+    except (TypeError, RuntimeError) as exc:
+        raise TypeError(f"{name}: a torch tensor of dtype {t.dtype} has no NumPy equivalent ({exc})") from None
+
+
+def _as_numpy(x, name):
+    """x as a NumPy array: an ndarray itself (a masked one refused), a torch tensor's values
+    (_tensor_values), anything else through np.asarray."""
+    if isinstance(x, np.ndarray):
+        _refuse_masked(x, name)
+        return x
+    if hasattr(x, "detach") and hasattr(x, "cpu") and hasattr(x, "numpy"):  # a torch tensor
+        return _tensor_values(x, name)
+    return np.asarray(x)
+
+
 def _as_float_array(x, name):
-    _refuse_masked(x, name)
-    if not isinstance(x, np.ndarray):
-        if x is None:
-            raise TypeError(f"{name}: expected a NumPy array, got None")
-        x = np.asarray(x)
+    if not isinstance(x, np.ndarray) and x is None:
+        raise TypeError(f"{name}: expected a NumPy array, got None")
+    x = _as_numpy(x, name)
     if x.dtype not in _SUPPORTED and not _is_half(x.dtype):
         raise TypeError(f"{name}: dtype must be float32, float64, float16 or bfloat16 (native byte order), got {x.dtype}")
     if x.ndim < 2:
@@ -328,8 +356,7 @@ def scaled_dot_product_attention(
 
     mask = None
     if attn_mask is not None:
-        _refuse_masked(attn_mask, "attn_mask")
-        mask = attn_mask if isinstance(attn_mask, np.ndarray) else np.asarray(attn_mask)
+        mask = _as_numpy(attn_mask, "attn_mask")
         if mask.dtype != np.bool_ and mask.dtype != dtype:
             raise TypeError(f"attn_mask: dtype must be bool or the query's dtype ({dtype}), got {mask.dtype}")
         if mask.dtype != np.bool_ and mask.dtype != q.dtype:

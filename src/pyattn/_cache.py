@@ -18,7 +18,8 @@ import math
 import numpy as np
 
 from . import _core
-from ._api import _HALF_STORAGE, _LINE, _SUPPORTED, _allocate, _is_half, _refuse_masked, _scale_value, _threads_value
+from ._api import (_HALF_STORAGE, _LINE, _SUPPORTED, _allocate, _as_numpy, _is_half, _refuse_masked, _scale_value,
+                   _threads_value)
 
 
 def _storage_dtype(dtype):
@@ -77,8 +78,7 @@ def _per_row(value, name, batch):
     """An int, or one int per batch row, as (batch,) int64; TypeError/ValueError naming `name`."""
     if type(value) is int and value >= 0:  # the common case: ~1 us instead of ~8 through NumPy's checks
         return _filled_ints(value, batch)
-    _refuse_masked(value, name)
-    arr = np.asarray(value)
+    arr = _as_numpy(value, name)
     if arr.dtype.kind not in "iu":  # bool is kind "b"
         raise TypeError(f"{name}: expected an int or {batch} ints, got {value!r}")
     if arr.shape not in ((), (batch,)):
@@ -148,10 +148,8 @@ class KVCache:
         lengths); they are the first num_new[b] tokens (right padding) or, with left_padded=True,
         the last ones. Raises ValueError, changing nothing, if a row would exceed max_len.
         """
-        _refuse_masked(key, "key")
-        _refuse_masked(value, "value")
-        k = np.asarray(key)
-        v = np.asarray(value)
+        k = _as_numpy(key, "key")
+        v = _as_numpy(value, "value")
         if k.ndim != 4 or k.shape[0] != self.batch or k.shape[1] != self.num_kv_heads or k.shape[3] != self.head_dim:
             raise ValueError(
                 f"key: expected shape ({self.batch}, {self.num_kv_heads}, chunk, {self.head_dim}), got {k.shape}")
@@ -180,8 +178,7 @@ class KVCache:
             if before is not None:
                 return before, counts, before + counts
         else:
-            _refuse_masked(num_new, "num_new")
-            counts = np.asarray(num_new)
+            counts = _as_numpy(num_new, "num_new")
             if counts.shape != (self.batch,) or counts.dtype.kind not in "iu":
                 raise ValueError(f"num_new: expected {self.batch} integers, got {counts!r}")
             counts = counts.astype(np.int64)
@@ -307,8 +304,7 @@ class KVCache:
         off num_new[b], so the queries keep their positions. Returns (batch, num_heads, chunk,
         value_dim) in float32 for 16-bit caches, else the cache dtype.
         """
-        _refuse_masked(query, "query")
-        q = np.asarray(query)
+        q = _as_numpy(query, "query")
         if q.ndim != 4 or q.shape[0] != self.batch or q.shape[3] != self.head_dim:
             raise ValueError(f"query: expected shape ({self.batch}, num_heads, chunk, {self.head_dim}), got {q.shape}")
         num_heads, chunk = q.shape[1], q.shape[2]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._api import _refuse_masked
+from ._api import _as_numpy
 from ._explain_render import plot_heatmaps, render_text
 
 __all__ = ["Explanation", "HeadSteps", "explain", "main", "plot_heatmaps", "render_text"]
@@ -96,8 +96,7 @@ class Explanation:
 
 
 def _as_float64(value, name):
-    _refuse_masked(value, name)
-    array = np.asarray(value, dtype=np.float64)
+    array = np.asarray(_as_numpy(value, name), dtype=np.float64)
     if array.dtype == object:  # pragma: no cover - np.asarray(..., float64) already refuses these
         raise TypeError(f"{name}: expected a numeric array")
     return array
@@ -318,8 +317,9 @@ def explain(
     if layer_heads is not None and layer_heads != num_heads:
         raise ValueError(f"num_heads: {num_heads} differs from the layer's {layer_heads}")
     x = _as_float64(x, "x")
-    _refuse_masked(attn_mask, "attn_mask")  # before the batched path below slices them
-    _refuse_masked(key_padding_mask, "key_padding_mask")
+    # NumPy arrays (a masked one refused) before the batched path below slices them.
+    attn_mask = None if attn_mask is None else _as_numpy(attn_mask, "attn_mask")
+    key_padding_mask = None if key_padding_mask is None else _as_numpy(key_padding_mask, "key_padding_mask")
     if x.ndim == 2:
         return _explain_one(x, weights, num_heads, tokens, is_causal, attn_mask, key_padding_mask)
     if x.ndim != 3:

@@ -14,23 +14,14 @@ import math
 import numpy as np
 
 from . import _core
-from ._api import _SUPPORTED, _allocate, _causal_value, _kernel_layout, _refuse_masked, _threads_value
+from ._api import _SUPPORTED, _allocate, _as_numpy, _causal_value, _kernel_layout, _threads_value
 from ._cache import KVCache
-
-
-def _numpy(x, name):
-    """x as a NumPy array: a torch tensor's values, anything else through np.asarray (a masked
-    array refused: its mask would be dropped)."""
-    if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor
-        return x.detach().cpu().numpy()
-    _refuse_masked(x, name)
-    return np.asarray(x)
 
 
 def _array(x, name, dtype=None):
     if x is None:
         return None
-    x = _numpy(x, name)
+    x = _as_numpy(x, name)
     if x.dtype not in _SUPPORTED:
         raise TypeError(f"{name}: dtype must be float32 or float64, got {x.dtype}")
     if dtype is not None and x.dtype != dtype:
@@ -148,7 +139,7 @@ def _mask_entry(mask, name, dtype, batch, num_heads, q_len, kv_len, key_padding)
     """(name, array, offsets per (b, h), stride_l, stride_s, true_forbids) for the core, or None."""
     if mask is None:
         return None
-    m = _numpy(mask, name)
+    m = _as_numpy(mask, name)
     if m.dtype != np.bool_ and m.dtype != dtype:
         raise TypeError(f"{name}: dtype must be bool or the inputs' dtype ({dtype}), got {m.dtype}")
     m = _kernel_layout(m, contiguous_last=False) if m.ndim else m
@@ -257,10 +248,10 @@ def _forward(w, query, key, value, attn_mask, key_padding_mask, is_causal, need_
 
     masks = []
     if attn_mask is not None:
-        am = _numpy(attn_mask, "attn_mask")
+        am = _as_numpy(attn_mask, "attn_mask")
         masks.append(_mask_entry(am, "attn_mask", w.dtype, batch, w.num_heads, q_len, kv_len, False))
     if key_padding_mask is not None:
-        kp = _numpy(key_padding_mask, "key_padding_mask")
+        kp = _as_numpy(key_padding_mask, "key_padding_mask")
         if not batched:
             if kp.shape != (kv_len,):
                 raise ValueError(f"key_padding_mask: expected shape {(kv_len,)} for unbatched input, got {kp.shape}")
