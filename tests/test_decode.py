@@ -851,13 +851,15 @@ def test_append_shape_and_dtype_errors(rng):
 
 def test_attend_errors(rng):
     cache = pyattn.KVCache(2, 2, 4, 8)
+    with pytest.raises(ValueError, match="^query: a chunk of 3 queries, but no token was appended since the cache"):
+        cache.attend(kv(rng, 2, 4, 3, 4))
     cache.append(kv(rng, 2, 2, 3, 4), kv(rng, 2, 2, 3, 4))
     q = kv(rng, 2, 4, 3, 4)
     cases = [
         (ValueError, "query", kv(rng, 2, 4, 3, 5)),
         (ValueError, "query", kv(rng, 1, 4, 3, 4)),
         (ValueError, "query", kv(rng, 2, 3, 3, 4)),  # 3 heads, not a multiple of 2
-        (ValueError, "query", kv(rng, 2, 4, 2, 4)),  # not the last append's chunk length
+        (ValueError, r"query: chunk length 2 does not match the last append's \(3 tokens", kv(rng, 2, 4, 2, 4)),
         (ValueError, "query", q[0]),
         (TypeError, "query", q.astype(np.int64)),
     ]

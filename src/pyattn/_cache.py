@@ -311,7 +311,11 @@ class KVCache:
         if num_heads % self.num_kv_heads:
             raise ValueError(f"query: num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if chunk != self._last_chunk:
-            raise ValueError(f"query: chunk length {chunk} does not match the last append ({self._last_chunk})")
+            if self._last_chunk == 0:
+                raise ValueError(f"query: a chunk of {chunk} queries, but no token was appended since the cache was "
+                                 "made or reset (attend() takes the queries of the tokens appended last)")
+            raise ValueError(f"query: chunk length {chunk} does not match the last append's ({self._last_chunk} tokens; "
+                             "attend() takes the queries of the tokens appended last)")
         compute = self._compute
         if q.dtype != compute:
             if q.dtype.kind != "f" and q.dtype.name != "bfloat16":
