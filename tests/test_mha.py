@@ -317,6 +317,41 @@ def test_inputs_not_modified(isa, dtype, rng):
         np.testing.assert_array_equal(array, before[name], err_msg=name)
 
 
+def test_batch_first_false_is_the_transposed_layout(isa, dtype, rng):
+    """batch_first=False (torch's default layout, (len, batch, features)) gives the batch-first
+    results transposed, bit for bit: inputs, output, weights (which keep their shape), cross-attention
+    of another length, unbatched inputs (no batch axis to move) and decode steps over a cache."""
+    query, key, value, kwargs = build_case(rng, dtype, "separate_in_proj_bias", batched=True)
+    kwargs["attn_mask"] = torch_style_mask(rng, (9, 13), "float", dtype)
+    kwargs["key_padding_mask"] = torch_style_mask(rng, (3, 13), "bool", dtype)
+    first = mha(query, key, value, need_weights=True, **kwargs)
+    t = lambda x: x.swapaxes(0, 1)  # noqa: E731
+    second = mha(t(query), t(key), t(value), need_weights=True, batch_first=False, **kwargs)
+    assert second[0].shape == t(first[0]).shape and second[1].shape == first[1].shape
+    np.testing.assert_array_equal(second[0], t(first[0]))
+    np.testing.assert_array_equal(second[1], first[1])
+    np.testing.assert_array_equal(mha(query[0], key[0], value[0], batch_first=False, **{
+        n: a for n, a in kwargs.items() if "mask" not in n}), mha(query[0], key[0], value[0], **{
+            n: a for n, a in kwargs.items() if "mask" not in n}))
+
+    layer = pyattn.MultiHeadAttention(16, 4, num_kv_heads=2, dtype=dtype, seed=3, batch_first=False)
+    twin = pyattn.MultiHeadAttention(16, 4, num_kv_heads=2, dtype=dtype, seed=3)
+    assert "batch_first=False" in repr(layer) and "batch_first" not in repr(twin)
+    x = random_array(rng, (3, 6, 16), dtype)
+    np.testing.assert_array_equal(layer(t(x), is_causal=True), t(twin(x, is_causal=True)))
+    caches = [pyattn.KVCache(3, 2, 4, 16, dtype=dtype) for _ in range(2)]
+    steps = [x, x[:, :1] * 0.5, x[:, 1:2] * 2]
+    for n, chunk in enumerate(steps):
+        num_new = np.array([6, 4, 5]) if n == 0 else None
+        got = layer(t(chunk), kv_cache=caches[0], num_new=num_new)
+        np.testing.assert_array_equal(got, t(twin(chunk, kv_cache=caches[1], num_new=num_new)))
+    np.testing.assert_array_equal(caches[0].keys(1), caches[1].keys(1))
+    with pytest.raises(TypeError, match="batch_first"):
+        pyattn.MultiHeadAttention(16, 4, batch_first=1)
+    with pytest.raises(TypeError, match="batch_first"):
+        mha(query, key, value, batch_first="no", **kwargs)
+
+
 @pytest.mark.parametrize("need_weights", [False, True])
 def test_bitwise_identical_for_any_thread_count(isa, dtype, rng, need_weights):
     query, key, value, kwargs = build_case(rng, dtype, "both_masks_bool", batched=True, q_len=67, kv_len=131)

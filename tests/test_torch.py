@@ -112,3 +112,22 @@ def test_mha_and_explain_take_tensors_that_require_grad(rng):
     with pytest.raises(TypeError, match="^query: dtype must be float32 or float64, got bfloat16"):
         pyattn.mha(x.bfloat16(), num_heads=4, in_proj_weight=weights["in_proj_weight"],
                    out_proj_weight=weights["out_proj.weight"])
+
+
+def test_from_torch_keeps_the_modules_layout(rng):
+    """torch.nn.MultiheadAttention is (len, batch, E) unless batch_first=True; a converted layer
+    takes the module's layout (it used to be batch-first always: a default module's (len, batch, E)
+    inputs then mixed the batch rows instead of the tokens, without an error)."""
+    torch.manual_seed(0)
+    for batch_first in (False, True):
+        module = torch.nn.MultiheadAttention(16, 4, batch_first=batch_first).eval()
+        layer = pyattn.MultiHeadAttention.from_torch(module)
+        assert layer.batch_first is batch_first
+        x = torch.randn((2, 5, 16) if batch_first else (5, 2, 16))
+        padding = torch.zeros(2, 5, dtype=torch.bool)
+        padding[1, 3:] = True
+        with torch.no_grad():
+            expected, expected_weights = module(x, x, x, key_padding_mask=padding)
+        out, weights = layer(x.numpy(), key_padding_mask=padding.numpy(), need_weights=True)
+        assert_close(out, expected.numpy().astype(np.float64), np.float32)
+        assert_close(weights, expected_weights.numpy().astype(np.float64), np.float32)

@@ -212,19 +212,32 @@ def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, threads)
     return out if batched else out[0]
 
 
+def _sequence_first(x, batch_first):
+    """A (len, batch, features) input (batch_first=False) as its (batch, len, features) view; other
+    inputs as they are (unbatched 2-D inputs have no batch axis to move, as in torch)."""
+    return x if batch_first or x.ndim != 3 else x.swapaxes(0, 1)
+
+
 def _forward(w, query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, average_attn_weights,
-             num_threads, kv_cache=None, num_new=None, left_padded=False):
+             num_threads, kv_cache=None, num_new=None, left_padded=False, batch_first=True):
+    if type(batch_first) is not bool:
+        raise TypeError(f"batch_first: expected True or False, got {batch_first!r}")
     if kv_cache is not None:
         if key is not None or value is not None or attn_mask is not None or key_padding_mask is not None:
             raise ValueError("kv_cache: self-attention only; per-row lengths (num_new) replace masks")
         q = _array(query, "query", w.dtype)
         if q.ndim not in (2, 3) or q.shape[-1] != w.embed_dim:
-            raise ValueError(f"query: expected (batch, chunk, {w.embed_dim}) or (chunk, {w.embed_dim}), got {q.shape}")
-        return _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, _threads_value(num_threads))
+            layout = "(batch, chunk" if batch_first else "(chunk, batch"
+            raise ValueError(f"query: expected {layout}, {w.embed_dim}) or (chunk, {w.embed_dim}), got {q.shape}")
+        out = _forward_cached(w, _sequence_first(q, batch_first), kv_cache, num_new, left_padded, need_weights,
+                              _threads_value(num_threads))
+        return _sequence_first(out, batch_first)
     q = _array(query, "query")
     if q.dtype != w.dtype:
         raise TypeError(f"query: dtype must be {w.dtype} (the weights' dtype), got {q.dtype}")
     k, v = _key_value(q, key, value)
+    if not batch_first:  # the checks below then speak of (batch, len, features) shapes
+        q, k, v = (_sequence_first(x, False) for x in (q, k, v))
     if q.ndim not in (2, 3):
         raise ValueError(f"query: expected (batch, q_len, embed_dim) or (q_len, embed_dim), got shape {q.shape}")
     batched = q.ndim == 3
@@ -268,6 +281,7 @@ def _forward(w, query, key, value, attn_mask, key_padding_mask, is_causal, need_
         masks, causal is not None, (kv_len - q_len) if causal == "lower_right" else 0,
         out, weights, threads,
     )
+    out = _sequence_first(out, batch_first)
     if not need_weights:
         return out
     if average_attn_weights:
@@ -281,7 +295,7 @@ def mha(query, key=None, value=None, *, num_heads, in_proj_weight=None, in_proj_
         k_proj_weight=None, v_proj_weight=None, q_proj_bias=None, k_proj_bias=None, v_proj_bias=None,
         out_proj_weight, out_proj_bias=None, attn_mask=None, key_padding_mask=None, is_causal=False,
         need_weights=False, average_attn_weights=True, num_kv_heads=None, kv_cache=None, num_new=None,
-        left_padded=False, num_threads=None):
+        left_padded=False, batch_first=True, num_threads=None):
     """Multi-head attention (inference) with torch.nn.MultiheadAttention's weights and conventions.
 
     Parameters
@@ -315,6 +329,12 @@ def mha(query, key=None, value=None, *, num_heads, in_proj_weight=None, in_proj_
         and their queries attend to every cached key with the lower-right causal alignment.
         num_new (batch,) gives the real token count per row of a padded chunk (right padding, or
         left with left_padded=True); masks are not needed (and not accepted) with a cache.
+    batch_first : bool
+        True (the default): batched query/key/value/output are (batch, len, features). False:
+        (len, batch, features), torch.nn.MultiheadAttention's default; they are read as
+        (batch, len, features) views (the projections copy their rows once) and the output is
+        returned as a (len, batch, embed_dim) view of a (batch, len, embed_dim) array. Masks and
+        weights keep their shapes, as in torch; unbatched inputs are the same either way.
     num_threads : int, optional
 
     Returns
@@ -338,7 +358,8 @@ def mha(query, key=None, value=None, *, num_heads, in_proj_weight=None, in_proj_
                          in_proj_bias, q_proj_weight, k_proj_weight, v_proj_weight, q_proj_bias, k_proj_bias,
                          v_proj_bias, out_proj_weight, out_proj_bias)
     return _forward(w, q, None if key is None else k, None if value is None else v, attn_mask, key_padding_mask,
-                    is_causal, need_weights, average_attn_weights, num_threads, kv_cache, num_new, left_padded)
+                    is_causal, need_weights, average_attn_weights, num_threads, kv_cache, num_new, left_padded,
+                    batch_first)
 
 
 class MultiHeadAttention:
@@ -347,11 +368,15 @@ class MultiHeadAttention:
     Weight attributes use torch.nn.MultiheadAttention's names: ``in_proj_weight``/``in_proj_bias``
     (when kdim == vdim == embed_dim) or ``q_proj_weight``/``k_proj_weight``/``v_proj_weight``
     (+ ``in_proj_bias``), ``out_proj_weight``, ``out_proj_bias``. Change weights through
-    ``load_state_dict`` (which repacks them), not by writing into the arrays.
+    ``load_state_dict`` (which repacks them), not by writing into the arrays. ``batch_first`` (True
+    unless given or taken from a torch module by ``from_torch``) is the input layout, as in pyattn.mha.
     """
 
     def __init__(self, embed_dim, num_heads, *, kdim=None, vdim=None, bias=True, num_kv_heads=None,
-                 dtype=np.float32, seed=None):
+                 dtype=np.float32, seed=None, batch_first=True):
+        if type(batch_first) is not bool:
+            raise TypeError(f"batch_first: expected True or False, got {batch_first!r}")
+        self.batch_first = batch_first
         dtype = np.dtype(dtype)
         if dtype not in _SUPPORTED:
             raise TypeError(f"dtype: must be float32 or float64, got {dtype}")
@@ -440,6 +465,7 @@ class MultiHeadAttention:
         if np_dtype is None:
             raise TypeError(f"module: parameters must be float32 or float64, got {dtype}")
         layer = cls.__new__(cls)
+        layer.batch_first = bool(getattr(module, "batch_first", False))  # torch's default is (len, batch, E)
         layer.embed_dim, layer.kdim, layer.vdim = module.embed_dim, module.kdim, module.vdim
         layer.num_heads = layer.num_kv_heads = module.num_heads
         layer.dtype = np.dtype(np_dtype)
@@ -448,10 +474,13 @@ class MultiHeadAttention:
 
     @classmethod
     def from_linear_weights(cls, q_weight, k_weight, v_weight, o_weight, q_bias=None, k_bias=None, v_bias=None,
-                            o_bias=None, *, num_heads, num_kv_heads=None):
+                            o_bias=None, *, num_heads, num_kv_heads=None, batch_first=True):
         """A layer from separate q/k/v/o linear layers (BERT/GPT style), weights (out, in)."""
+        if type(batch_first) is not bool:
+            raise TypeError(f"batch_first: expected True or False, got {batch_first!r}")
         q_weight = _array(q_weight, "q_weight")
         layer = cls.__new__(cls)
+        layer.batch_first = batch_first
         layer.embed_dim = q_weight.shape[0]
         layer.kdim, layer.vdim = np.shape(k_weight)[-1], np.shape(v_weight)[-1]
         layer.num_heads = num_heads
@@ -469,10 +498,11 @@ class MultiHeadAttention:
     def __call__(self, query, key=None, value=None, *, attn_mask=None, key_padding_mask=None, is_causal=False,
                  need_weights=False, average_attn_weights=True, kv_cache=None, num_new=None, left_padded=False,
                  num_threads=None):
-        """Same as pyattn.mha with this layer's weights."""
+        """Same as pyattn.mha with this layer's weights (and batch_first)."""
         return _forward(self._weights, query, key, value, attn_mask, key_padding_mask, is_causal, need_weights,
-                        average_attn_weights, num_threads, kv_cache, num_new, left_padded)
+                        average_attn_weights, num_threads, kv_cache, num_new, left_padded, self.batch_first)
 
     def __repr__(self):
         return (f"MultiHeadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
-                f"num_kv_heads={self.num_kv_heads}, kdim={self.kdim}, vdim={self.vdim}, dtype={self.dtype})")
+                f"num_kv_heads={self.num_kv_heads}, kdim={self.kdim}, vdim={self.vdim}, dtype={self.dtype}"
+                + ("" if self.batch_first else ", batch_first=False") + ")")
