@@ -134,6 +134,33 @@ def test_masked_arrays_are_refused(qkv, name, masked):
     np.testing.assert_array_equal(sdpa(q, k, v, attn_mask=np.ones((5, 7), bool)), plain)  # nothing else changed
 
 
+@pytest.mark.parametrize("source", ["unpickled", "metadata"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_equal_dtype_objects_are_the_same_dtype(rng, source, dtype):
+    # An unpickled array's dtype (pickle rebuilds the descriptor), or one carrying metadata, equals
+    # float32 but is another object; the core compared dtypes by identity and refused such arrays
+    # ("query, key and value must share one dtype"). Every path: plain, mask, out=, weights.
+    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=4, q_len=5, kv_len=7, head_dim=8, value_dim=6)
+    mask = rng.random((5, 7)) < 0.7
+    fmask = np.where(mask, 0.5, -np.inf).astype(dtype)
+    if source == "unpickled":
+        import pickle
+
+        same = lambda x: pickle.loads(pickle.dumps(x))  # noqa: E731
+    else:
+        same = lambda x: x.view(np.dtype(x.dtype, metadata={"source": "test"}))  # noqa: E731
+    assert same(q).dtype == q.dtype and same(q).dtype is not q.dtype
+    for kwargs in ({}, {"attn_mask": mask}, {"attn_mask": fmask}, {"is_causal": True}, {"return_weights": True}):
+        expected = sdpa(q, k, v, **kwargs)
+        changed = {n: same(a) if isinstance(a, np.ndarray) and a.dtype != bool else a for n, a in kwargs.items()}
+        got = sdpa(same(q), same(k), same(v), **changed)
+        for g, e in zip(got if isinstance(got, tuple) else [got], expected if isinstance(expected, tuple) else [expected]):
+            np.testing.assert_array_equal(g, e)
+    out = same(np.empty((2, 4, 5, 6), dtype))
+    assert sdpa(same(q), k, v, out=out) is out
+    np.testing.assert_array_equal(out, sdpa(q, k, v))
+
+
 def test_list_inputs_are_not_silently_promoted(qkv):
     q, k, v = qkv
     with pytest.raises(TypeError):

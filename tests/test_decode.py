@@ -22,6 +22,7 @@ What is held against what:
 Tolerances: float32/float64 use conftest.TOL; the 16-bit ones live in HALF_TOL below (the only place).
 """
 
+import copy
 
 import numpy as np
 import pytest
@@ -794,6 +795,37 @@ def test_lengths_replaced_by_other_arrays(rng, batch):
     for call in (lambda: layer(x, kv_cache=cache), lambda: cache.truncate(2), lambda: cache.keys(0)):
         with pytest.raises(TypeError, match="^lengths: masked arrays"):
             call()
+
+
+@pytest.mark.parametrize("copy_kind", ["pickle", "deepcopy"])
+@pytest.mark.parametrize("storage", CACHE_DTYPES)
+def test_caches_pickle_and_deepcopy(rng, storage, copy_kind):
+    """A pickled or deep-copied cache decodes as the original does and is its own. The core writes a
+    16-bit cache through a uint16 view of its storage; pickled, that view came back as a separate
+    array, so the copy's steps went where keys()/values() did not look (and a float32 copy was
+    refused: the core compared dtypes by identity)."""
+    import pickle
+
+    dtype = np_dtype(storage)
+    clone = (lambda x: pickle.loads(pickle.dumps(x))) if copy_kind == "pickle" else copy.deepcopy
+    compute = np.float64 if storage == "float64" else np.float32
+    layer = make_layer(rng, 16, 4, 2, compute)
+    cache = pyattn.KVCache(2, 2, 4, 12, dtype=dtype)
+    layer(random_array(rng, (2, 5, 16), compute), kv_cache=cache, num_new=np.array([5, 3]))
+    twin = clone(cache)
+    assert repr(twin) == repr(cache)
+    for _ in range(3):  # the same steps on both: a layer step, and append + attend
+        x = random_array(rng, (2, 1, 16), compute)
+        np.testing.assert_array_equal(layer(x, kv_cache=twin), layer(x, kv_cache=cache))
+        k, q = random_array(rng, (2, 2, 1, 4), compute), random_array(rng, (2, 4, 1, 4), compute)
+        cache.append(k, k)
+        twin.append(k, k)
+        np.testing.assert_array_equal(twin.attend(q), cache.attend(q))
+    for row in range(2):
+        np.testing.assert_array_equal(twin.keys(row).view(np.uint8), cache.keys(row).view(np.uint8))
+        np.testing.assert_array_equal(twin.values(row).view(np.uint8), cache.values(row).view(np.uint8))
+    cache.reset()  # the copy keeps its own storage and lengths
+    assert twin.lengths.tolist() == [11, 9] and twin.keys(0).shape == (2, 11, 4)
 
 
 def _copy_cache(cache):

@@ -352,6 +352,32 @@ def test_batch_first_false_is_the_transposed_layout(isa, dtype, rng):
         mha(query, key, value, batch_first="no", **kwargs)
 
 
+@pytest.mark.parametrize("copy_kind", ["pickle", "deepcopy"])
+def test_layers_pickle_and_deepcopy(isa, dtype, rng, copy_kind):
+    """A pickled or deep-copied layer computes what the original does, bit for bit, and is its own:
+    the packed weights (a per-ISA cache on cache lines) are not carried over but packed again; before,
+    an unpickled layer's packed copies came back off their lines and were refused on the first call."""
+    import pickle
+
+    clone = (lambda x: pickle.loads(pickle.dumps(x))) if copy_kind == "pickle" else copy.deepcopy
+    layer = pyattn.MultiHeadAttention(16, 4, num_kv_heads=2, kdim=6, vdim=10, dtype=dtype, seed=5, batch_first=False)
+    query, key, value = (t.swapaxes(0, 1) for t in make_inputs(rng, dtype, 2, 5, 7, 16, kdim=6, vdim=10))
+    twin = clone(layer)
+    assert repr(twin) == repr(layer)
+    packed, _ = twin._weights.packed()  # packed again, on cache lines as pack_weights allocates them
+    assert all(p.ctypes.data % 64 == 0 for p in packed)
+    np.testing.assert_array_equal(twin(query, key, value), layer(query, key, value))
+    np.testing.assert_array_equal(clone(query), query)  # and the arrays pickle brings back are usable
+    np.testing.assert_array_equal(twin(clone(query), clone(key), clone(value)), layer(query, key, value))
+    state = layer.state_dict()
+    state["out_proj.weight"] = state["out_proj.weight"] * 2
+    layer.load_state_dict(state)  # the copy keeps its own weights
+    assert not np.array_equal(twin(query, key, value), layer(query, key, value))
+    weights = {n.replace(".", "_"): clone(w) for n, w in twin.state_dict().items()}
+    np.testing.assert_array_equal(mha(clone(query), clone(key), clone(value), num_heads=4, num_kv_heads=2,
+                                      batch_first=False, **weights), twin(query, key, value))
+
+
 @pytest.mark.parametrize("need_weights", [False, True])
 def test_bitwise_identical_for_any_thread_count(isa, dtype, rng, need_weights):
     query, key, value, kwargs = build_case(rng, dtype, "both_masks_bool", batched=True, q_len=67, kv_len=131)

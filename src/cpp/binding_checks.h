@@ -108,10 +108,17 @@ inline void check_block(const char* name, const py::array& arr, const int64_t* o
   }
 }
 
-inline bool is_float32(const py::array& a) { return a.dtype().is(py::dtype::of<float>()); }
-inline bool is_float64(const py::array& a) { return a.dtype().is(py::dtype::of<double>()); }
+// Whether two dtypes are the same type. Almost always they are the same object (NumPy's built-in
+// descriptors are singletons), but an equal descriptor may be another object: an unpickled array's
+// (pickle rebuilds the descriptor), or one that carries metadata. Identity alone refused such arrays
+// ("query, key and value must share one dtype" for an unpickled float32 query), so after the cheap
+// identity test the descriptors are compared by value, as Python's == does (byte order included).
+inline bool same_dtype(const py::dtype& a, const py::dtype& b) { return a.is(b) || a.equal(b); }
+
+inline bool is_float32(const py::array& a) { return same_dtype(a.dtype(), py::dtype::of<float>()); }
+inline bool is_float64(const py::array& a) { return same_dtype(a.dtype(), py::dtype::of<double>()); }
 inline bool is_bool(const py::array& a) { return a.dtype().kind() == 'b' && a.itemsize() == 1; }
-inline bool is_int64(const py::array& a) { return a.dtype().is(py::dtype::of<int64_t>()); }
+inline bool is_int64(const py::array& a) { return same_dtype(a.dtype(), py::dtype::of<int64_t>()); }
 
 inline void check_aligned(const char* name, const py::array& arr) {
   if (arr.size() == 0) return;  // nothing is read from an empty array
@@ -123,7 +130,7 @@ inline void check_aligned(const char* name, const py::array& arr) {
 }
 
 inline void check_output(const char* name, const py::array& arr, const py::dtype& dt, int64_t expected_size) {
-  if (!arr.dtype().is(dt)) fail(std::string(name) + ": dtype must match the inputs");
+  if (!same_dtype(arr.dtype(), dt)) fail(std::string(name) + ": dtype must match the inputs");
   if (!(arr.flags() & py::array::c_style)) fail(std::string(name) + ": must be C-contiguous");
   if (!arr.writeable()) fail(std::string(name) + ": must be writeable");
   if (arr.size() != expected_size) fail(std::string(name) + ": wrong number of elements");
@@ -139,7 +146,7 @@ MaskSlot mask_slot(const char* name, const py::object& obj, const py::dtype& dt,
   if (obj.is_none()) return m;
   const py::array mask = py::reinterpret_borrow<py::array>(obj);
   if (is_bool(mask)) m.kind = MaskKind::boolean;
-  else if (mask.dtype().is(dt)) m.kind = MaskKind::additive;
+  else if (same_dtype(mask.dtype(), dt)) m.kind = MaskKind::additive;
   else fail(std::string(name) + ": dtype must be bool or the inputs' dtype");
   check_aligned(name, mask);
   check_block(name, mask, offset, batch_heads, q_len, stride_l, kv_len, stride_s);

@@ -128,11 +128,11 @@ void sdpa(const py::array& q, const py::array& k, const py::array& v, const py::
   if (kv_storage < 0 || kv_storage > 2) fail("kv_storage must be 0 (same), 1 (float16) or 2 (bfloat16)");
   const Storage storage = Storage(kv_storage);
   if (storage == Storage::same) {
-    if (!q.dtype().is(k.dtype()) || !q.dtype().is(v.dtype())) fail("query, key and value must share one dtype");
+    if (!same_dtype(q.dtype(), k.dtype()) || !same_dtype(q.dtype(), v.dtype())) fail("query, key and value must share one dtype");
   } else {
     // 16-bit K/V are passed as uint16 views; the kernels convert them a block at a time.
     if (!is_float32(q)) fail("query: must be float32 with float16/bfloat16 keys and values");
-    if (!k.dtype().is(py::dtype::of<uint16_t>()) || !v.dtype().is(py::dtype::of<uint16_t>()))
+    if (!same_dtype(k.dtype(), py::dtype::of<uint16_t>()) || !same_dtype(v.dtype(), py::dtype::of<uint16_t>()))
       fail("key/value: 16-bit storage must be passed as uint16 views");
     if (!weights.is_none()) fail("return_weights needs float32 keys and values");
   }
@@ -173,7 +173,7 @@ py::object accepted_out(const py::object& out_obj, const py::dtype& dtype, const
                         std::initializer_list<py::handle> inputs) {
   if (!exact_ndarray(out_obj)) return py::none();
   const py::array out = py::reinterpret_borrow<py::array>(out_obj);
-  if (!out.dtype().is(dtype) || out.ndim() != py::ssize_t(shape.size()) ||
+  if (!same_dtype(out.dtype(), dtype) || out.ndim() != py::ssize_t(shape.size()) ||
       !std::equal(shape.begin(), shape.end(), out.shape()))
     return py::none();
   if (!(out.flags() & py::array::c_style) || !out.writeable()) return py::none();
@@ -251,7 +251,7 @@ py::object sdpa_simple_t(const py::array& q, const py::array& k, const py::array
     if (!exact_ndarray(mask_obj)) return py::none();
     mask = py::reinterpret_borrow<py::array>(mask_obj);
     mask_bool = is_bool(mask);
-    if (!mask_bool && !mask.dtype().is(q.dtype())) return py::none();
+    if (!mask_bool && !same_dtype(mask.dtype(), q.dtype())) return py::none();
     const py::ssize_t md = mask.ndim(), item = mask.itemsize();
     if (md < 2 || md > nd) return py::none();
     if (reinterpret_cast<uintptr_t>(mask.data()) % uintptr_t(item) != 0) return py::none();
@@ -426,7 +426,7 @@ py::object sdpa_simple(const py::object& q_obj, const py::object& k_obj, const p
   const py::array q = py::reinterpret_borrow<py::array>(q_obj);
   const py::array k = py::reinterpret_borrow<py::array>(k_obj);
   const py::array v = py::reinterpret_borrow<py::array>(v_obj);
-  if (!q.dtype().is(k.dtype()) || !q.dtype().is(v.dtype())) return py::none();
+  if (!same_dtype(q.dtype(), k.dtype()) || !same_dtype(q.dtype(), v.dtype())) return py::none();
   const bool default_scale = scale.is_none();
   if (!default_scale && !PyFloat_CheckExact(scale.ptr())) return py::none();
   const double s = default_scale ? 1.0 : scale.cast<double>();
@@ -532,8 +532,8 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "_convert_half",
       [](const py::array& src, const py::array& dst, int threads, bool bfloat16) {
-        const bool widen = src.dtype().is(py::dtype::of<uint16_t>()) && dst.dtype().is(py::dtype::of<float>());
-        const bool narrow = src.dtype().is(py::dtype::of<float>()) && dst.dtype().is(py::dtype::of<uint16_t>());
+        const bool widen = same_dtype(src.dtype(), py::dtype::of<uint16_t>()) && same_dtype(dst.dtype(), py::dtype::of<float>());
+        const bool narrow = same_dtype(src.dtype(), py::dtype::of<float>()) && same_dtype(dst.dtype(), py::dtype::of<uint16_t>());
         if (!widen && !narrow) throw py::type_error("_convert_half: expected uint16 -> float32 or float32 -> uint16 arrays");
         if (!(src.flags() & py::array::c_style) || !(dst.flags() & py::array::c_style) || !dst.writeable())
           throw py::value_error("_convert_half: src and dst must be C-contiguous, dst writeable");

@@ -56,7 +56,7 @@ py::tuple pack_weights_py(const py::array& w) {
 template <class T>
 int64_t row_matrix(const char* name, const py::array& x, int64_t rows, int64_t cols) {
   if (x.ndim() != 2 || x.shape(0) != rows || x.shape(1) != cols) fail(std::string(name) + ": wrong shape");
-  if (!x.dtype().is(py::dtype::of<T>())) fail(std::string(name) + ": wrong dtype");
+  if (!same_dtype(x.dtype(), py::dtype::of<T>())) fail(std::string(name) + ": wrong dtype");
   check_aligned(name, x);
   if (cols > 1 && x.strides(1) != py::ssize_t(sizeof(T))) fail(std::string(name) + ": last axis must be contiguous");
   return rows > 1 ? x.strides(0) / int64_t(sizeof(T)) : 0;
@@ -65,7 +65,7 @@ int64_t row_matrix(const char* name, const py::array& x, int64_t rows, int64_t c
 template <class T>
 const T* packed_weight(const char* name, const py::array& p, int64_t n, int64_t k) {
   const int64_t panel = active_set<T>().gemm_panel;
-  if (!p.dtype().is(py::dtype::of<T>()) || p.ndim() != 1 || !(p.flags() & py::array::c_style) ||
+  if (!same_dtype(p.dtype(), py::dtype::of<T>()) || p.ndim() != 1 || !(p.flags() & py::array::c_style) ||
       p.size() != packed_elems(n, k, panel))
     fail(std::string(name) + ": packed weight does not match its shape or the active ISA; pack it again");
   return static_cast<const T*>(p.data());
@@ -75,7 +75,7 @@ template <class T>
 const T* optional_bias(const char* name, const py::object& obj, int64_t n) {
   if (obj.is_none()) return nullptr;
   const py::array b = py::reinterpret_borrow<py::array>(obj);
-  if (!b.dtype().is(py::dtype::of<T>()) || b.ndim() != 1 || b.shape(0) != n || !(b.flags() & py::array::c_style))
+  if (!same_dtype(b.dtype(), py::dtype::of<T>()) || b.ndim() != 1 || b.shape(0) != n || !(b.flags() & py::array::c_style))
     fail(std::string(name) + ": expected a contiguous 1-D array of " + std::to_string(n) + " elements");
   return static_cast<const T*>(b.data());
 }
@@ -104,7 +104,7 @@ void linear_t(const py::array& x, const py::array& packed, int64_t panel, int64_
   if (x.ndim() != 2 || out.ndim() != 2) fail("x and out must be 2-D");
   const int64_t m = x.shape(0), k = x.shape(1);
   if (out.shape(0) != m || out.shape(1) != n) fail("out: shape must be (m, n)");
-  if (!packed.dtype().is(x.dtype()) || !out.dtype().is(x.dtype())) fail("packed and out must share x's dtype");
+  if (!same_dtype(packed.dtype(), x.dtype()) || !same_dtype(out.dtype(), x.dtype())) fail("packed and out must share x's dtype");
   if (packed.ndim() != 2 && panel != ks.gemm_panel) fail("packed weight was packed for another ISA; pack it again");
   const Projection<T> p = projection<T>("packed", packed, "bias", bias_obj, n, k);  // packed, or W itself
   GemmArgs<T> g;
@@ -219,7 +219,7 @@ std::vector<int64_t> cache_array(const char* name, const py::array& c, const py:
   const std::string n(name);
   if (c.ndim() != 4 || c.shape(0) != batch || c.shape(1) != kv_heads || c.shape(3) != head_dim)
     fail(n + ": expected shape (batch, num_kv_heads, max_len, head_dim)");
-  if (!c.dtype().is(dtype)) fail(n + ": dtype does not match the storage");
+  if (!same_dtype(c.dtype(), dtype)) fail(n + ": dtype does not match the storage");
   if (!c.writeable()) fail(n + ": must be writeable");
   check_aligned(name, c);
   const int64_t item = c.itemsize();

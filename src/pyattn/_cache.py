@@ -119,20 +119,41 @@ class KVCache:
             self._v = _storage_zeros((self.batch, self.num_kv_heads, self.max_len, self.value_dim), self.dtype)
         except (MemoryError, ValueError):
             raise ValueError(f"max_len: a cache of {nbytes} bytes cannot be allocated") from None
-        self._half = _HALF_STORAGE.get(self.dtype.name, 0)  # the kernels' code for 16-bit storage
-        self._compute = np.dtype(np.float32) if self._half else self.dtype  # what attention computes in
-        # The storage as the core reads and writes it: 16-bit floats as their uint16 bit patterns.
-        self._k_core = self._k.view(np.uint16) if self._half else self._k
-        self._v_core = self._v.view(np.uint16) if self._half else self._v
         self.lengths = np.zeros(self.batch, np.int64)
         # What the last append added: per-row count, the chunk length, and the chunk index of each
         # row's first real token (0 with right padding, chunk - count with left padding).
         self._last_new = np.zeros(self.batch, np.int64)
         self._last_chunk = 0
         self._last_first = np.zeros(self.batch, np.int64)
+        self._bind_storage()
+
+    # What __init__ derives from the storage, rebuilt rather than pickled or copied (__setstate__).
+    _DERIVED = ("_half", "_compute", "_k_core", "_v_core", "_offsets", "_attend_key", "_attend_state")
+
+    def _bind_storage(self):
+        self._half = _HALF_STORAGE.get(self.dtype.name, 0)  # the kernels' code for 16-bit storage
+        self._compute = np.dtype(np.float32) if self._half else self.dtype  # what attention computes in
+        # The storage as the core reads and writes it: 16-bit floats as their uint16 bit patterns.
+        self._k_core = self._k.view(np.uint16) if self._half else self._k
+        self._v_core = self._v.view(np.uint16) if self._half else self._v
         self._offsets = {}  # attend()'s kernel offsets per (num_heads, chunk, storage, query strides)
         self._attend_key = None
         self._attend_state = None
+
+    def __getstate__(self):
+        """Pickling (and copy.deepcopy): the storage and the lengths, not the core's views of the
+        storage. A pickled view comes back as an array of its own: a 16-bit cache's uint16 view,
+        which the core writes, would no longer be the storage that keys()/values() show."""
+        return {name: value for name, value in self.__dict__.items() if name not in self._DERIVED}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        for name in ("_k", "_v"):  # back at the storage's place relative to a cache line, as allocated
+            stored = self.__dict__[name]
+            fresh = _storage_zeros(stored.shape, self.dtype)
+            fresh[...] = stored
+            setattr(self, name, fresh)
+        self._bind_storage()
 
     def __repr__(self):
         return (f"KVCache(batch={self.batch}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "

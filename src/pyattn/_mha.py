@@ -46,6 +46,20 @@ class _Weights:
         self.dtype = q.dtype
         self._packed = {}
 
+    def __getstate__(self):
+        """Pickling (and copy.deepcopy): the weights without their packed copies, which are a cache
+        for one ISA on cache lines (a pickled copy comes back off its line, refused by the core, and
+        the loading CPU may run another ISA); a layer's weights (packed at construction) are packed
+        again when loaded."""
+        return {**self.__dict__, "_packed": {}, "_was_packed": bool(self._packed)}
+
+    def __setstate__(self, state):
+        state = dict(state)
+        was_packed = state.pop("_was_packed", False)
+        self.__dict__.update(state)
+        if was_packed:
+            self.packed()
+
     def packed(self):
         """(q, k, v, o) weights packed for the active ISA's GEMM (cached per ISA), and the panel width."""
         isa = _core.isa()
