@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import math
+import pickle
 import sys
 import time
 from typing import Optional
@@ -90,7 +91,8 @@ _FLOATS = ("float32", "float64")
 # Big-endian floats too: a ">f2" array also calls itself "float16" (it was once read as native bits).
 _BAD_DTYPES = ("int32", "int64", "complex64", "complex128", "object", "bool", "uint8", ">f2", ">f4", ">f8")
 _HALF = ("float16",) + (("bfloat16",) if ml_dtypes is not None else ())
-_LAYOUTS = ("c", "c", "c", "guarded", "transposed", "reversed", "last_strided", "fortran", "misaligned", "stride0")
+_LAYOUTS = ("c", "c", "c", "guarded", "transposed", "reversed", "last_strided", "fortran", "misaligned", "stride0",
+            "unpickled")
 
 
 def _np_dtype(name):
@@ -120,6 +122,9 @@ def _layout(x, layout, rng):
     """An array holding x's values in the given memory layout (a view of a fresh parent)."""
     if x.ndim == 0 or layout == "c":
         return np.ascontiguousarray(x)
+    if layout == "unpickled":  # an equal dtype that is another object (pickle rebuilds the descriptor)
+        back = pickle.loads(pickle.dumps(np.ascontiguousarray(x)))
+        return back if back.dtype.str == x.dtype.str else np.ascontiguousarray(x)  # NumPy unpickles >f4 as <f4
     if layout == "guarded":  # offset view of a NaN-filled parent, rows not adjacent
         pad = 2
         parent = np.zeros(tuple(n + 2 * pad for n in x.shape), dtype=x.dtype)
