@@ -797,23 +797,27 @@ def test_lengths_replaced_by_other_arrays(rng, batch):
             call()
 
 
-@pytest.mark.parametrize("copy_kind", ["pickle", "deepcopy"])
+@pytest.mark.parametrize("copy_kind", ["pickle", "deepcopy", "copy"])
 @pytest.mark.parametrize("storage", CACHE_DTYPES)
 def test_caches_pickle_and_deepcopy(rng, storage, copy_kind):
-    """A pickled or deep-copied cache decodes as the original does and is its own. The core writes a
+    """A pickled or copied cache decodes as the original does and is its own (copy.copy too: a cache
+    sharing its lengths but not its storage would be neither a copy nor the same). The core writes a
     16-bit cache through a uint16 view of its storage; pickled, that view came back as a separate
     array, so the copy's steps went where keys()/values() did not look (and a float32 copy was
     refused: the core compared dtypes by identity)."""
     import pickle
 
     dtype = np_dtype(storage)
-    clone = (lambda x: pickle.loads(pickle.dumps(x))) if copy_kind == "pickle" else copy.deepcopy
+    clone = {"pickle": lambda x: pickle.loads(pickle.dumps(x)), "deepcopy": copy.deepcopy, "copy": copy.copy}[copy_kind]
     compute = np.float64 if storage == "float64" else np.float32
     layer = make_layer(rng, 16, 4, 2, compute)
     cache = pyattn.KVCache(2, 2, 4, 12, dtype=dtype)
     layer(random_array(rng, (2, 5, 16), compute), kv_cache=cache, num_new=np.array([5, 3]))
     twin = clone(cache)
     assert repr(twin) == repr(cache)
+    # Nothing shared: reset() and edits of lengths work in place.
+    for name in ("lengths", "_last_new", "_last_first", "_k", "_v"):
+        assert not np.shares_memory(getattr(twin, name), getattr(cache, name)), name
     for _ in range(3):  # the same steps on both: a layer step, and append + attend
         x = random_array(rng, (2, 1, 16), compute)
         np.testing.assert_array_equal(layer(x, kv_cache=twin), layer(x, kv_cache=cache))

@@ -153,6 +153,12 @@ class KVCache:
             fresh = _storage_zeros(stored.shape, self.dtype)
             fresh[...] = stored
             setattr(self, name, fresh)
+        # The per-row state too, so that even copy.copy gives a cache of its own (a shallow copy
+        # sharing the lengths with separate storage: reset() on one would empty both).
+        for name in ("lengths", "_last_new", "_last_first"):
+            value = self.__dict__[name]
+            if isinstance(value, np.ndarray):
+                setattr(self, name, value.copy())
         self._bind_storage()
 
     def __repr__(self):
