@@ -1,6 +1,9 @@
 # SPDX-License-Identifier: MIT
 """Threads: bitwise determinism over num_threads, and concurrent calls from several Python threads."""
 
+import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -84,3 +87,50 @@ def test_concurrent_calls_writing_to_out(dtype, rng):
     for out, result in zip(outs, results):
         assert result is out
         np.testing.assert_array_equal(out, expected)
+
+
+_FORK_CHILD = r"""
+import os, sys
+import numpy as np
+import pyattn
+
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((1, 4, 256, 64)).astype(np.float32) for _ in range(3))
+x = rng.standard_normal((2, 8, 32)).astype(np.float32)
+layer = pyattn.MultiHeadAttention(32, 4, seed=0)
+if sys.argv[1] == "after":  # the parent runs teams of two threads before forking
+    expected, expected_layer = pyattn.scaled_dot_product_attention(q, k, v, num_threads=2), layer(x, num_threads=2)
+else:  # the parent forks before any team ran
+    pyattn.set_num_threads(2)
+    expected, expected_layer = pyattn.scaled_dot_product_attention(q, k, v, num_threads=1), layer(x, num_threads=1)
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:
+    got = pyattn.scaled_dot_product_attention(q, k, v, num_threads=2)
+    same = np.array_equal(got, expected) and np.array_equal(layer(x, num_threads=2), expected_layer)
+    report = f"{int(same)} {pyattn.get_num_threads()} {pyattn.runtime_info()['openmp']}"
+    os.write(write, report.encode())
+    os._exit(0)
+os.close(write)
+_, status = os.waitpid(pid, 0)
+print(os.read(read, 1000).decode(), "|", os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or pyattn._core.openmp_runtime() != "libgomp (GNU)",
+                    reason="fork and GNU libgomp only")
+@pytest.mark.parametrize("when", ["after", "before"])
+def test_forked_children_do_not_hang(when):
+    """A process forked after a parallel region (multiprocessing's "fork" start method, pre-forking
+    servers) inherits libgomp's pool without its threads, and its first team waited for them
+    forever. Such a child now runs single-threaded (same bits) and says so; a child forked before
+    any team ran keeps its threads. In a fresh interpreter, so that no team ran in it before."""
+    done = subprocess.run([sys.executable, "-c", _FORK_CHILD, when], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    report, exit_code = done.stdout.strip().rsplit("|", 1)
+    same, threads, runtime = report.strip().split(" ", 2)
+    assert exit_code.strip() == "0" and same == "1", done.stdout
+    if when == "after":
+        assert threads == "1" and "single-threaded: this process was forked" in runtime, report
+    else:
+        assert threads == "2" and runtime == "libgomp (GNU)", report

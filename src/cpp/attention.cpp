@@ -33,6 +33,10 @@
 #include "attention.h"
 #include "parallel.h"
 
+#if defined(PYATTN_FORK_GUARD)
+#include <pthread.h>
+#endif
+
 namespace pyattn {
 namespace {
 
@@ -692,7 +696,15 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
 template void scaled_dot_product_attention<float>(const AttnArgs<float>&, int);
 template void scaled_dot_product_attention<double>(const AttnArgs<double>&, int);
 
+void install_fork_guard() {
+#if defined(PYATTN_FORK_GUARD)
+  static const int installed = pthread_atfork(nullptr, nullptr, &ForkGuard::on_fork_child);
+  (void)installed;  // 0, or ENOMEM: then a forked child is as unguarded as without pyattn's help
+#endif
+}
+
 int default_num_threads() {
+  if (!ForkGuard::teams_allowed()) return 1;  // a child forked after a team ran: see parallel.h
   const int n = g_default_threads.load(std::memory_order_relaxed);
   if (n > 0) return n;
 #if defined(PYATTN_OPENMP)
@@ -721,6 +733,7 @@ bool openmp_enabled() {
 }
 
 const char* openmp_runtime() {
+  if (!ForkGuard::teams_allowed()) return "libgomp (GNU); single-threaded: this process was forked after a parallel region";
 #if !defined(PYATTN_OPENMP)
   return "none (built without OpenMP: single-threaded)";
 #elif defined(__clang__)

@@ -329,6 +329,9 @@ void scaled_dot_product_attention(const AttnArgs<T>& a, int num_threads);
 // tiles lead by 5-30%. Python reads it as _core.DECODE_MAX_Q_LEN (which 16-bit K/V it can pass
 // without float32 copies).
 constexpr int64_t kDecodeMaxLen = 8;
+// Registers the handler that makes a child forked after a parallel region run single-threaded
+// (ForkGuard, parallel.h); called once, when the module loads.
+void install_fork_guard();
 int default_num_threads();
 void set_default_num_threads(int n);  // 0 = unset (OpenMP default)
 // Largest packed copy of a boolean mask the driver makes, in bytes (tests set 0 to force the kernels

@@ -482,6 +482,7 @@ PYBIND11_MODULE(_core, m) {
   using namespace pyattn;
   m.doc() = "pyattn compiled core (private: use the functions of the pyattn package)";
   apply_env_isa();
+  install_fork_guard();
 
   m.def("sdpa", &sdpa, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("mask"), py::arg("out"),
         py::arg("weights"), py::arg("offsets"), py::arg("strides"), py::arg("dims"), py::arg("causal"),

@@ -55,6 +55,36 @@ T* grow_only_scratch(size_t elems) {
   return buffer.data() + elements_to_line(buffer.data());
 }
 
+// Forked children. GNU libgomp keeps its pool of worker threads for the next team, and a process
+// forked after a team ran (os.fork, multiprocessing's "fork" start method, pre-forking servers)
+// inherits that pool without its threads: the child's first parallel region waits for them forever
+// (seen: a 1x4x256x64 call on two threads after the parent's hung the child). pyattn therefore notes
+// when it starts a team, and a child forked after that runs every loop below on its calling thread;
+// results are the same bits (they never depend on the thread count). LLVM's libomp starts a new pool
+// in a child, so the rule is libgomp's only. install_fork_guard (attention.h) registers the child's
+// handler when the module loads.
+#if defined(PYATTN_OPENMP) && defined(__GNUC__) && !defined(__clang__)
+#define PYATTN_FORK_GUARD 1
+#endif
+struct ForkGuard {
+  static std::atomic<bool>& team_started() {
+    static std::atomic<bool> started{false};
+    return started;
+  }
+  static std::atomic<bool>& serial() {
+    static std::atomic<bool> forced{false};
+    return forced;
+  }
+  static void on_fork_child() {
+    if (team_started().load(std::memory_order_relaxed)) serial().store(true, std::memory_order_relaxed);
+  }
+  // Whether this process may start a team; false in a child forked after its parent started one.
+  static bool teams_allowed() { return !serial().load(std::memory_order_relaxed); }
+  static void note_team() {
+    if (!team_started().load(std::memory_order_relaxed)) team_started().store(true, std::memory_order_relaxed);
+  }
+};
+
 // The calling thread's index in the current team (0 outside a parallel region).
 inline int thread_id() {
 #if defined(PYATTN_OPENMP)
@@ -68,7 +98,8 @@ inline int thread_id() {
 template <class F>
 void parallel_for(int64_t count, int threads, F&& body) {
 #if defined(PYATTN_OPENMP)
-  if (threads > 1 && count > 1) {
+  if (threads > 1 && count > 1 && ForkGuard::teams_allowed()) {
+    ForkGuard::note_team();
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t n = 0; n < count; ++n) body(n);
     return;
@@ -99,7 +130,8 @@ void parallel_for_ahead(int64_t count, int threads, F&& body) {
     }
   };
 #if defined(PYATTN_OPENMP)
-  if (threads > 1 && count > 1) {
+  if (threads > 1 && count > 1 && ForkGuard::teams_allowed()) {
+    ForkGuard::note_team();
 #pragma omp parallel num_threads(threads)
     run(omp_get_num_threads());
     return;
