@@ -56,13 +56,12 @@ def _tensor_values(x, name):
     (numpy() has no bfloat16), and a dtype NumPy lacks a TypeError naming the argument instead of
     torch's unnamed one."""
     t = x.detach().cpu()
-    torch = sys.modules.get(type(x).__module__.split(".")[0])
-    if torch is not None and t.dtype == getattr(torch, "bfloat16", None):
+    if str(t.dtype) == "torch.bfloat16":  # named as from_torch names dtypes (torch is loaded: x is its tensor)
         try:
             import ml_dtypes
         except ImportError:
             raise TypeError(f"{name}: a bfloat16 tensor needs the ml_dtypes package (pip install ml_dtypes)") from None
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.view(sys.modules["torch"].int16).numpy().view(ml_dtypes.bfloat16)
     try:
         return t.numpy()
     except (TypeError, RuntimeError) as exc:
@@ -81,7 +80,7 @@ def _as_numpy(x, name):
 
 
 def _as_float_array(x, name):
-    if not isinstance(x, np.ndarray) and x is None:
+    if x is None:
         raise TypeError(f"{name}: expected a NumPy array, got None")
     x = _as_numpy(x, name)
     if x.dtype not in _SUPPORTED and not _is_half(x.dtype):

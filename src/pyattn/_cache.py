@@ -18,8 +18,7 @@ import math
 import numpy as np
 
 from . import _core
-from ._api import (_HALF_STORAGE, _LINE, _SUPPORTED, _allocate, _as_numpy, _is_half, _refuse_masked, _scale_value,
-                   _threads_value)
+from ._api import _HALF_STORAGE, _LINE, _SUPPORTED, _allocate, _as_numpy, _is_half, _scale_value, _threads_value
 
 
 def _storage_dtype(dtype):
@@ -273,8 +272,7 @@ class KVCache:
         valid = self._lengths_if_valid()
         if valid is not None:
             return valid.copy()
-        _refuse_masked(self.lengths, "lengths")
-        lengths = np.asarray(self.lengths)
+        lengths = _as_numpy(self.lengths, "lengths")
         if lengths.shape != (self.batch,) or lengths.dtype.kind not in "iu" or (lengths < 0).any() or \
                 (lengths > self.max_len).any():
             raise ValueError(f"lengths: expected {self.batch} lengths in [0, {self.max_len}], got {self.lengths!r}")

@@ -54,7 +54,6 @@ class _Weights:
         return {**self.__dict__, "_packed": {}, "_was_packed": bool(self._packed)}
 
     def __setstate__(self, state):
-        state = dict(state)
         was_packed = state.pop("_was_packed", False)
         self.__dict__.update(state)
         if was_packed:
@@ -149,11 +148,11 @@ def _resolve_weights(embed_dim, kdim, vdim, num_heads, num_kv_heads, dtype, in_p
                     contiguous(bq), contiguous(bk), contiguous(bv), contiguous(arrays["out_proj_bias"]))
 
 
-def _mask_entry(mask, name, dtype, batch, num_heads, q_len, kv_len, key_padding):
-    """(name, array, offsets per (b, h), stride_l, stride_s, true_forbids) for the core, or None."""
-    if mask is None:
+def _mask_entry(m, name, dtype, batch, num_heads, q_len, kv_len, key_padding):
+    """(name, array, offsets per (b, h), stride_l, stride_s, true_forbids) for the core, or None;
+    m is a NumPy array (_forward converts both masks) or None."""
+    if m is None:
         return None
-    m = _as_numpy(mask, name)
     if m.dtype != np.bool_ and m.dtype != dtype:
         raise TypeError(f"{name}: dtype must be bool or the inputs' dtype ({dtype}), got {m.dtype}")
     m = _kernel_layout(m, contiguous_last=False) if m.ndim else m
@@ -226,6 +225,12 @@ def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, threads)
     return out if batched else out[0]
 
 
+def _check_batch_first(batch_first):
+    if type(batch_first) is not bool:
+        raise TypeError(f"batch_first: expected True or False, got {batch_first!r}")
+    return batch_first
+
+
 def _sequence_first(x, batch_first):
     """A (len, batch, features) input (batch_first=False) as its (batch, len, features) view; other
     inputs as they are (unbatched 2-D inputs have no batch axis to move, as in torch)."""
@@ -234,8 +239,7 @@ def _sequence_first(x, batch_first):
 
 def _forward(w, query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, average_attn_weights,
              num_threads, kv_cache=None, num_new=None, left_padded=False, batch_first=True):
-    if type(batch_first) is not bool:
-        raise TypeError(f"batch_first: expected True or False, got {batch_first!r}")
+    _check_batch_first(batch_first)
     if kv_cache is not None:
         if key is not None or value is not None or attn_mask is not None or key_padding_mask is not None:
             raise ValueError("kv_cache: self-attention only; per-row lengths (num_new) replace masks")
@@ -388,9 +392,7 @@ class MultiHeadAttention:
 
     def __init__(self, embed_dim, num_heads, *, kdim=None, vdim=None, bias=True, num_kv_heads=None,
                  dtype=np.float32, seed=None, batch_first=True):
-        if type(batch_first) is not bool:
-            raise TypeError(f"batch_first: expected True or False, got {batch_first!r}")
-        self.batch_first = batch_first
+        self.batch_first = _check_batch_first(batch_first)
         dtype = np.dtype(dtype)
         if dtype not in _SUPPORTED:
             raise TypeError(f"dtype: must be float32 or float64, got {dtype}")
@@ -490,11 +492,9 @@ class MultiHeadAttention:
     def from_linear_weights(cls, q_weight, k_weight, v_weight, o_weight, q_bias=None, k_bias=None, v_bias=None,
                             o_bias=None, *, num_heads, num_kv_heads=None, batch_first=True):
         """A layer from separate q/k/v/o linear layers (BERT/GPT style), weights (out, in)."""
-        if type(batch_first) is not bool:
-            raise TypeError(f"batch_first: expected True or False, got {batch_first!r}")
         q_weight = _array(q_weight, "q_weight")
         layer = cls.__new__(cls)
-        layer.batch_first = batch_first
+        layer.batch_first = _check_batch_first(batch_first)
         layer.embed_dim = q_weight.shape[0]
         layer.kdim, layer.vdim = np.shape(k_weight)[-1], np.shape(v_weight)[-1]
         layer.num_heads = num_heads
