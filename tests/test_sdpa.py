@@ -772,6 +772,94 @@ def assert_close_to_reference(out, expected, dtype):
         np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=8e-3, atol=2e-5)
 
 
+def bshd_with_nan_neighbours(rng, batch, kv_len, kv_heads, dim, dtype):
+    """K or V as a (batch, kv_len, kv_heads, dim) view, heads first, of a (batch, kv_len, 2, kv_heads,
+    dim + 3) NaN-filled parent (a fused K/V array padded per row): every element next to the view's
+    rows is NaN, so a read past a row or into the other half shows up."""
+    parent = np.full((batch, kv_len, 2, kv_heads, dim + 3), np.nan, dtype)
+    view = parent[:, :, 1, :, 1 : dim + 1]
+    view[...] = rng.standard_normal(view.shape).astype(dtype)
+    return np.swapaxes(view, 1, 2)
+
+
+@pytest.mark.parametrize(
+    "q_heads, kv_heads, q_len, kv_len, head_dim, options",
+    [
+        (32, 32, 1, 4099, 128, dict()),  # 32 heads of one row; chunks of whole blocks and a remainder
+        (32, 8, 1, 1500, 128, dict(mask="head")),  # GQA: 4 rows a head; masks that differ by head
+        (12, 4, 2, 333, 64, dict(is_causal="lower_right")),  # 6 rows a head, causal per row
+        (8, 8, 1, 600, 32, dict(mask="padding")),  # heads narrowed to different spans
+        (4, 4, 1, 5, 16, dict()),  # fewer keys than a block
+        (16, 2, 1, 2000, 128, dict(mask="poison")),  # forbidden rows NaN / Inf
+        (6, 3, 1, 700, 64, dict(mask="float")),
+    ],
+)
+def test_decode_across_heads(isa, dtype, rng, q_heads, kv_heads, q_len, kv_len, head_dim, options):
+    """attend_decode_heads (decode over heads that interleave in memory, read key by key across every
+    head) against the reference, NaN-filled neighbours of every K/V row, masks that differ by head
+    (and so narrow each head's keys differently), a head whose row sees nothing; bit for bit the same
+    for 1, 2 and 3 threads."""
+    batch = 2
+    q = random_array(rng, (batch, q_heads, q_len, head_dim), dtype)
+    k = bshd_with_nan_neighbours(rng, batch, kv_len, kv_heads, head_dim, dtype)
+    v = bshd_with_nan_neighbours(rng, batch, kv_len, kv_heads, head_dim, dtype)
+    mask = None
+    kind = options.get("mask")
+    if kind == "head":
+        mask = random_mask(rng, (batch, q_heads, q_len, kv_len), "bool", dtype, p_allowed=0.5)
+        mask[0, 3] = False  # a head that sees nothing: zeros
+    elif kind == "padding":
+        mask = np.zeros((batch, q_heads, 1, kv_len), bool)
+        for h in range(q_heads):
+            mask[:, h, :, 7 * h : kv_len - 11 * h] = True
+    elif kind == "poison":
+        mask = np.ones((batch, 1, 1, kv_len), bool)
+        forbidden = np.zeros(kv_len, bool)
+        forbidden[kv_len // 3 :: 7] = True
+        mask[..., forbidden] = False
+        k[..., forbidden, :] = np.nan
+        v[..., forbidden, :] = np.inf
+    elif kind == "float":
+        mask = random_mask(rng, (batch, 1, q_len, kv_len), "float", dtype)
+    kwargs = dict(is_causal=options.get("is_causal", False), enable_gqa=q_heads != kv_heads)
+    outs = [sdpa(q, k, v, mask, num_threads=threads, **kwargs) for threads in (1, 2, 3)]
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
+    expected = reference_ignoring_poison(q, k, v, mask, **kwargs)
+    if kind == "head":
+        assert (expected[0, 3] == 0).all() and (outs[0][0, 3] == 0).all()
+    assert_close_to_reference(outs[0], expected, dtype)
+
+
+@pytest.mark.parametrize("storage", ["float16", "bfloat16"])
+def test_decode_across_heads_16_bit(isa, rng, storage):
+    """attend_decode_heads over 16-bit K/V (bfloat16 rows read in the paired element order): the
+    float64 reference of the same 16-bit values; head_dim from one vector to several, GQA."""
+    if ml_dtypes is None and storage == "bfloat16":
+        pytest.skip("bfloat16 needs ml_dtypes")
+    dtype = np.float16 if storage == "float16" else ml_dtypes.bfloat16
+    for q_heads, kv_heads, head_dim in ((8, 8, 8), (8, 8, 24), (8, 2, 16), (32, 8, 128), (6, 6, 48)):
+        q = random_array(rng, (1, q_heads, 1, head_dim), dtype)
+        k = bshd_with_nan_neighbours(rng, 1, 777, kv_heads, head_dim, dtype)
+        v = bshd_with_nan_neighbours(rng, 1, 777, kv_heads, head_dim, dtype)
+        got = sdpa(q, k, v, enable_gqa=q_heads != kv_heads)
+        assert got.dtype == dtype
+        expected = reference_ignoring_poison(q, k, v, None, enable_gqa=q_heads != kv_heads)
+        assert_close_to_reference(got, expected, dtype)
+
+
+def test_decode_across_heads_head_dims(isa, dtype, rng):
+    """Every head_dim from 1 to 2 * lanes + 1 (AVX-512 float32: 33): rows of whole vectors take
+    attend_decode_heads, the others the chunks; both the reference's values."""
+    for head_dim in range(1, 34):
+        for value_dim in (head_dim, 2 * head_dim + 1):
+            q = random_array(rng, (1, 4, 1, head_dim), dtype)
+            k = bshd_with_nan_neighbours(rng, 1, 100, 2, head_dim, dtype)
+            v = bshd_with_nan_neighbours(rng, 1, 100, 2, value_dim, dtype)
+            got = sdpa(q, k, v, enable_gqa=True)
+            assert_close(got, reference_ignoring_poison(q, k, v, None, enable_gqa=True), dtype)
+
+
 def prefetch(mode):
     """Forces the tiles' prefetching: 0 none, 1 the next key block's K/V rows, 2 the next work item's
     rows; by default it depends on the cache sizes."""
@@ -898,10 +986,18 @@ def test_interleaved_heads_change_nothing(isa, dtype, rng, heads, kv_heads, q_le
         (4, 2, 2, 900, dict(half=True)),
     ],
 )
-def test_interleaved_heads_decode(isa, dtype, rng, q_heads, kv_heads, q_len, kv_len, options):
-    """Decoding (q_len <= 8) against K/V whose heads interleave in memory reads the keys in short
-    chunks, chunk by chunk across the heads (attention.cpp, kInterleavedChunk): the reference's
-    values, and those of the same values stored heads first, for every chunk count and remainder."""
+@pytest.mark.parametrize("route", ["across heads", "chunks"])
+def test_interleaved_heads_decode(isa, dtype, rng, q_heads, kv_heads, q_len, kv_len, options, route):
+    """Decoding (q_len <= 8) against K/V whose heads interleave in memory reads the keys key by key
+    across all heads where a head's query rows fit one tile and the rows are whole vectors
+    (attend_decode_heads), else in short chunks, chunk by chunk across the heads (kInterleavedChunk;
+    _set_decode_heads(0) forces those): the reference's values, and those of the same values stored
+    heads first, for every chunk count and remainder."""
+    with core_setting(pyattn._core._set_decode_heads, -1 if route == "across heads" else 0):
+        interleaved_heads_decode(dtype, rng, q_heads, kv_heads, q_len, kv_len, options)
+
+
+def interleaved_heads_decode(dtype, rng, q_heads, kv_heads, q_len, kv_len, options):
     if options.get("half"):
         if ml_dtypes is None or dtype != np.float32:
             pytest.skip("16-bit inputs: once, with ml_dtypes")

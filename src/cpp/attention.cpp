@@ -65,6 +65,7 @@ std::atomic<int> g_prefetch{-1};  // set_prefetch: -1 by cache sizes, 0 never, 1
 std::atomic<int> g_decode_streams{-1};  // set_decode_streams: -1 by storage and size, else 1, 2 or 4
 std::atomic<int> g_group_tiles{1};  // set_group_tiles: 1 GQA groups' heads together, 0 head by head
 std::atomic<int> g_pack_heads{-1};  // set_pack_heads: -1 by sizes, 0 never, 1 whenever K/V heads interleave
+std::atomic<int> g_decode_heads{-1};  // set_decode_heads: -1 where K/V heads interleave, 0 never
 
 // The last-level cache in bytes (L3, else L2; 0 when CPUID does not tell): what decides whether a
 // call's arrays come from memory (the prefetch conditions below).
@@ -237,6 +238,56 @@ void pack_mask_bits(MaskSlot& m, int64_t batch_heads, int64_t q_len, int64_t kv_
 
 }  // namespace
 
+// Decode over K/V whose heads' rows interleave in memory (kv_heads_interleave) and are whole
+// vectors, each key/value head's tile holding all its query rows (at most kDecodeMaxRows): work
+// items of every head of a batch entry over a chunk of keys (decode.inc, decode_heads), K and V read
+// in address order. Chunks as split_keys gives them for the batch entries as tasks (at least
+// kDecodeMinChunk key rows of all heads together), merged as attend_decode merges its chunks.
+template <class T>
+void attend_decode_heads(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_threads) {
+  const int64_t group = a.group, heads = a.num_heads / group, batch = a.batch_heads / a.num_heads;
+  const int64_t rows = group * a.q_len;
+  const Split split = split_keys(batch, a.kv_len, ks.decode_heads_block,
+                                 std::max(ks.decode_heads_block, ceil_div(kDecodeMinChunk, heads)));
+  const int64_t items = batch * split.count;
+  const double fmas = double(a.batch_heads) * double(a.q_len) * double(a.kv_len) * double(a.head_dim + a.value_dim);
+  const int threads = threads_for(fmas, num_threads, items);
+
+  const int64_t vdim_p = ks.decode_padded(a.value_dim);
+  const AccLayout lay{vdim_p, 1};
+  const size_t sstate = state_elems<T>(rows, vdim_p);
+  auto carve = [&](T* base) { return state_at(base, rows, vdim_p); };
+  // Head h's state for chunk c of batch entry b: task b * heads + h, chunk c (attend_decode's
+  // layout), listed by item (b, c), then head.
+  AlignedBuffer<T> partials(sstate * size_t(batch * heads * split.count));
+  std::vector<RowState<T>> states(size_t(items * heads));
+  for (int64_t n = 0; n < items; ++n)
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t task = n / split.count * heads + h, c = n % split.count;
+      states[size_t(n * heads + h)] = carve(partials.data() + sstate * size_t(task * split.count + c));
+    }
+  const size_t scratch_elems = padded(size_t(ks.decode_heads_scratch(heads, rows, a.head_dim, a.value_dim)), sizeof(T));
+  AlignedBuffer<T> scratch(scratch_elems * size_t(threads));
+  // Per thread: 2 * heads offsets, then heads RowStates (decode_heads' scratch of int64 and pointers).
+  const size_t ints = size_t(2 * heads) + ceil_div(int64_t(sizeof(RowState<T>)) * heads, int64_t(sizeof(int64_t)));
+  std::vector<int64_t> offsets(size_t(threads) * ints);
+  parallel_for(items, threads, [&](int64_t n) {
+    const int64_t b = n / split.count, j_begin = n % split.count * split.chunk;
+    const int64_t j_end = std::min(a.kv_len, j_begin + split.chunk);
+    const int id = thread_id();
+    ks.decode_heads(a, b, rows, group, j_begin, j_end, scratch.data() + scratch_elems * size_t(id),
+                    &states[size_t(n * heads)], &offsets[size_t(id) * ints]);
+  });
+  parallel_for(batch * heads, threads, [&](int64_t task) {
+    const int64_t b = task / heads, h = task % heads;
+    merge_partials<T>(split.count, [&](int64_t c) { return carve(partials.data() + sstate * size_t(task * split.count + c)); },
+                      lay, rows, a.value_dim, [&a, b, h, group](int64_t r) {
+                        const int64_t bh = b * a.num_heads + h * group + r / a.q_len;
+                        return a.out_rows(bh) + (r % a.q_len) * a.out_stride_l;
+                      });
+  });
+}
+
 // Few query rows per head (decode): lanes along head_dim, all query heads of a GQA group together.
 template <class T>
 void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_threads) {
@@ -318,19 +369,23 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
   const int64_t chunk_rows = ceil_div(rows_total, row_chunks);
   const int64_t tasks = kv_groups * row_chunks;
   // Key/value heads whose rows interleave in memory (a (batch, seq, heads, head_dim) array viewed
-  // heads first: each head's row is head_dim elements out of every heads * head_dim) are read in
-  // short chunks of keys, chunk by chunk across the heads (items claimed chunk-major below), instead
-  // of each head's whole key range in turn: then the memory around each head's rows, which the
-  // hardware prefetchers fetch along with them, belongs to the rows the next items read. Measured on
-  // Zen 3 (AVX2, 2 threads, float32, 32 query heads, head_dim 128, one new token, K/V as such views;
-  // alternating in one process, medians of 7 rounds, two runs): 4096 keys 0.48-0.52 -> 0.68x the
-  // speed of the same values stored heads first, 16384 keys 0.45-0.47 -> 0.69-0.72x, B = 4 at 4096
-  // 0.43-0.56 -> 0.58-0.72x, 8 K/V heads at 4096 0.49-0.64 -> 0.63-0.66x; chunks of 32, 64 and 256
-  // keys measured 0.58-0.72x. At most kMaxInterleavedChunks chunks per head, so the partial states
-  // stay small. (Reading every head's row of a key in turn would read the memory in order; the
-  // kernel takes one key/value head per work item.)
+  // heads first: each head's row is head_dim elements out of every heads * head_dim) are read key by
+  // key across all heads (attend_decode_heads) when every head's query rows fit one tile and the
+  // rows are whole vectors: Zen 3 (AVX2, 2 threads, 32 query heads, head_dim 128, one new token,
+  // alternating in one process, medians of 7 rounds) 1.34-2.76x faster than the chunks below, 0.68-
+  // 0.86x the speed of the same values stored heads first (4k-16k keys, 8 and 32 K/V heads, float32
+  // and float16, B = 4 at 4k). Otherwise they are read in short chunks of keys, chunk by chunk across
+  // the heads (items claimed chunk-major below), instead of each head's whole key range in turn:
+  // then the memory around each head's rows, which the hardware prefetchers fetch along with them,
+  // belongs to the rows the next items read (Zen 3, float32: 4096 keys 0.48-0.52 -> 0.68x the speed
+  // of heads stored first, 16384 keys 0.45-0.47 -> 0.69-0.72x, B = 4 at 4096 0.43-0.56 ->
+  // 0.58-0.72x, 8 K/V heads at 4096 0.49-0.64 -> 0.63-0.66x; chunks of 32, 64 and 256 keys measured
+  // 0.58-0.72x). At most kMaxInterleavedChunks chunks per head, so the partial states stay small.
   constexpr int64_t kInterleavedChunk = 128, kMaxInterleavedChunks = 256;
   const bool interleaved = kv_heads_interleave(a);
+  const int heads_mode = g_decode_heads.load(std::memory_order_relaxed);
+  const bool whole_vectors = ks.decode_padded(a.head_dim) == a.head_dim && ks.decode_padded(a.value_dim) == a.value_dim;
+  if (interleaved && row_chunks == 1 && whole_vectors && heads_mode != 0) return attend_decode_heads(a, ks, num_threads);
   Split split = split_keys(tasks, a.kv_len, ks.decode_block, kDecodeMinChunk);
   if (interleaved && a.kv_len > kInterleavedChunk) {
     const int64_t chunk = std::max(kInterleavedChunk, ceil_div(a.kv_len, kMaxInterleavedChunks));
@@ -344,16 +399,13 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
 
   const int64_t vdim_p = ks.decode_padded(a.value_dim);
   const AccLayout lay{vdim_p, 1};
-  const size_t sstate = padded(size_t(chunk_rows * vdim_p), sizeof(T)) + 2 * padded(size_t(chunk_rows), sizeof(T));
+  const size_t sstate = state_elems<T>(chunk_rows, vdim_p);
   const size_t scratch_elems = padded(size_t(ks.decode_scratch(chunk_rows, a.head_dim, a.value_dim)), sizeof(T));
   const size_t per_thread = scratch_elems + (split.count > 1 ? 0 : sstate);
   AlignedBuffer<T> scratch(per_thread * size_t(threads));
   std::unique_ptr<AlignedBuffer<T>> partials;
   if (split.count > 1) partials.reset(new AlignedBuffer<T>(sstate * size_t(items)));
-  auto carve = [&](T* base) {
-    const size_t acc = padded(size_t(chunk_rows * vdim_p), sizeof(T)), row = padded(size_t(chunk_rows), sizeof(T));
-    return RowState<T>{base, base + acc, base + acc + row};
-  };
+  auto carve = [&](T* base) { return state_at(base, chunk_rows, vdim_p); };
   auto tile_of = [&](int64_t task) {
     const int64_t kvg = task / row_chunks, rc = task % row_chunks;
     const int64_t r0 = rc * chunk_rows;
@@ -720,6 +772,7 @@ int64_t set_packed_mask_limit(int64_t bytes) { return g_packed_mask_limit.exchan
 int set_prefetch(int mode) { return g_prefetch.exchange(mode < 0 ? -1 : (mode > 2 ? 2 : mode)); }
 int set_group_tiles(int on) { return g_group_tiles.exchange(on ? 1 : 0); }
 int set_pack_heads(int mode) { return g_pack_heads.exchange(mode < 0 ? -1 : (mode > 0 ? 1 : 0)); }
+int set_decode_heads(int mode) { return g_decode_heads.exchange(mode < 0 ? -1 : 0); }
 int set_decode_streams(int streams) {
   return g_decode_streams.exchange(streams < 0 ? -1 : streams >= 4 ? 4 : streams >= 2 ? 2 : 1);
 }

@@ -249,6 +249,13 @@ struct KernelSet {
   // Few-query-row attention (decode): lanes along head_dim, K/V blocks converted to T once. State:
   // acc rows x value_dim_padded (row-major), m and l per row, in `state`; scratch from decode_scratch.
   void (*decode)(const AttnArgs<T>& a, const DecodeTile& t, int64_t group, T* scratch, RowState<T> state);
+  // Every key/value head of one batch entry over keys [j_begin, j_end), K and V read in address order
+  // (heads that interleave in memory, rows of whole vectors): state h for head h, each of `rows`
+  // (its GQA group x q_len) query rows; scratch from decode_heads_scratch; offsets: 2 * heads.
+  void (*decode_heads)(const AttnArgs<T>& a, int64_t batch, int64_t rows, int64_t group, int64_t j_begin, int64_t j_end,
+                       T* scratch, const RowState<T>* states, int64_t* offsets);
+  int64_t (*decode_heads_scratch)(int64_t heads, int64_t rows, int64_t head_dim, int64_t value_dim);
+  int64_t decode_heads_block;  // decode_heads' keys per block
   int64_t (*decode_scratch)(int64_t rows, int64_t head_dim, int64_t value_dim);
   int64_t (*decode_padded)(int64_t dim);  // value_dim rounded up to whole vectors (acc row length)
   int64_t decode_block;  // the decode kernel's longest key block (split key chunks are whole blocks)
@@ -348,6 +355,10 @@ int set_group_tiles(int on);
 // buffer, head by head (attention.cpp, pack_heads): -1 decided per call from the sizes (the
 // default), 0 never, 1 whenever they interleave (tests). Returns the previous setting.
 int set_pack_heads(int mode);
+// Whether decode calls over K/V whose heads interleave in memory read every head of a key block in
+// turn (attention.cpp, attend_decode_heads): -1 wherever they interleave (the default), 0 never
+// (head by head, chunk by chunk across the heads). Returns the previous setting.
+int set_decode_heads(int mode);
 // How many parts of a work item's keys the decode kernel reads side by side: -1 decided per call
 // (attend_decode, the default), or 1, 2 or 4 always (tests and measurements). Returns the previous
 // setting.

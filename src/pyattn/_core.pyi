@@ -140,6 +140,11 @@ def _set_pack_heads(mode: int) -> int:
     per-thread buffer, head by head: -1 decided per call from the sizes (the default), 0 never, 1
     whenever they interleave (for tests). Returns the previous setting."""
 
+def _set_decode_heads(mode: int) -> int:
+    """Whether decode calls over K/V heads that interleave in memory read every head's rows of a key
+    block in turn: -1 wherever they interleave (the default), 0 never (head by head; for tests).
+    Returns the previous setting."""
+
 def _set_decode_streams(streams: int) -> int:
     """How many parts of a work item's keys the decode kernel reads side by side: -1 decided per
     call (the default), 1, 2 or 4 always (for tests). Returns the previous setting."""
