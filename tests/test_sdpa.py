@@ -833,19 +833,28 @@ def test_decode_across_heads(isa, dtype, rng, q_heads, kv_heads, q_len, kv_len, 
 
 @pytest.mark.parametrize("storage", ["float16", "bfloat16"])
 def test_decode_across_heads_16_bit(isa, rng, storage):
-    """attend_decode_heads over 16-bit K/V (bfloat16 rows read in the paired element order): the
-    float64 reference of the same 16-bit values; head_dim from one vector to several, GQA."""
+    """attend_decode_heads over 16-bit K/V (bfloat16 rows read in the paired element order; GQA
+    groups through P.V's register tiles): the float64 reference of the same 16-bit values; head_dim
+    from one vector to several; forbidden keys whose K rows are NaN and V rows +Inf."""
     if ml_dtypes is None and storage == "bfloat16":
         pytest.skip("bfloat16 needs ml_dtypes")
     dtype = np.float16 if storage == "float16" else ml_dtypes.bfloat16
+    kv_len = 777
     for q_heads, kv_heads, head_dim in ((8, 8, 8), (8, 8, 24), (8, 2, 16), (32, 8, 128), (6, 6, 48)):
-        q = random_array(rng, (1, q_heads, 1, head_dim), dtype)
-        k = bshd_with_nan_neighbours(rng, 1, 777, kv_heads, head_dim, dtype)
-        v = bshd_with_nan_neighbours(rng, 1, 777, kv_heads, head_dim, dtype)
-        got = sdpa(q, k, v, enable_gqa=q_heads != kv_heads)
-        assert got.dtype == dtype
-        expected = reference_ignoring_poison(q, k, v, None, enable_gqa=q_heads != kv_heads)
-        assert_close_to_reference(got, expected, dtype)
+        for poisoned in (False, True):
+            q = random_array(rng, (1, q_heads, 1, head_dim), dtype)
+            k = bshd_with_nan_neighbours(rng, 1, kv_len, kv_heads, head_dim, dtype)
+            v = bshd_with_nan_neighbours(rng, 1, kv_len, kv_heads, head_dim, dtype)
+            mask = None
+            if poisoned:
+                mask = np.ones((1, 1, 1, kv_len), bool)
+                mask[..., 5::9] = False
+                k[..., 5::9, :] = np.nan
+                v[..., 5::9, :] = np.inf
+            got = sdpa(q, k, v, mask, enable_gqa=q_heads != kv_heads)
+            assert got.dtype == dtype
+            expected = reference_ignoring_poison(q, k, v, mask, enable_gqa=q_heads != kv_heads)
+            assert_close_to_reference(got, expected, dtype)
 
 
 def test_decode_across_heads_head_dims(isa, dtype, rng):
