@@ -268,15 +268,14 @@ void attend_decode_heads(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_t
     }
   const size_t scratch_elems = padded(size_t(ks.decode_heads_scratch(heads, rows, a.head_dim, a.value_dim)), sizeof(T));
   AlignedBuffer<T> scratch(scratch_elems * size_t(threads));
-  // Per thread: 2 * heads offsets, then heads RowStates (decode_heads' scratch of int64 and pointers).
-  const size_t ints = size_t(2 * heads) + ceil_div(int64_t(sizeof(RowState<T>)) * heads, int64_t(sizeof(int64_t)));
-  std::vector<int64_t> offsets(size_t(threads) * ints);
+  std::vector<int64_t> offsets(size_t(threads * 2 * heads));  // decode_heads' scratch, per thread
+  std::vector<RowState<T>> local(size_t(threads * heads));
   parallel_for(items, threads, [&](int64_t n) {
     const int64_t b = n / split.count, j_begin = n % split.count * split.chunk;
     const int64_t j_end = std::min(a.kv_len, j_begin + split.chunk);
     const int id = thread_id();
     ks.decode_heads(a, b, rows, group, j_begin, j_end, scratch.data() + scratch_elems * size_t(id),
-                    &states[size_t(n * heads)], &offsets[size_t(id) * ints]);
+                    &states[size_t(n * heads)], &local[size_t(id * heads)], &offsets[size_t(id * 2 * heads)]);
   });
   parallel_for(batch * heads, threads, [&](int64_t task) {
     const int64_t b = task / heads, h = task % heads;

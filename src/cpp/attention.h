@@ -251,10 +251,10 @@ struct KernelSet {
   void (*decode)(const AttnArgs<T>& a, const DecodeTile& t, int64_t group, T* scratch, RowState<T> state);
   // Every key/value head of one batch entry over keys [j_begin, j_end), K and V read in address order
   // (heads that interleave in memory, rows of whole vectors): state h for head h, each of `rows`
-  // (its GQA group x q_len) query rows; scratch from decode_heads_scratch; offsets: 2 * heads int64
-  // and heads RowStates.
+  // (its GQA group x q_len) query rows; scratch from decode_heads_scratch; local: heads RowStates and
+  // offsets: 2 * heads elements of scratch.
   void (*decode_heads)(const AttnArgs<T>& a, int64_t batch, int64_t rows, int64_t group, int64_t j_begin, int64_t j_end,
-                       T* scratch, const RowState<T>* states, int64_t* offsets);
+                       T* scratch, const RowState<T>* states, RowState<T>* local, int64_t* offsets);
   int64_t (*decode_heads_scratch)(int64_t heads, int64_t rows, int64_t head_dim, int64_t value_dim);
   int64_t decode_heads_block;  // decode_heads' keys per block
   int64_t (*decode_scratch)(int64_t rows, int64_t head_dim, int64_t value_dim);
