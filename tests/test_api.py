@@ -434,6 +434,9 @@ def test_runtime_info_keys():
     # CPUID's vendor: 12 printable characters on x86 (what the decode prefetch rule keys on).
     vendor = info["cpu_vendor"]
     assert vendor == "" or (len(vendor) == 12 and vendor.isprintable())
+    # CPUID's display family (the AMD decode rule keys on it too): 0 off x86, else 3..0xff + 0xf.
+    family = pyattn._core.cpu_family()
+    assert (family == 0) == (vendor == "") and 0 <= family <= 0xF + 0xFF
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 63, 255, 257, 4096 + 17])

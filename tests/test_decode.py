@@ -1244,13 +1244,16 @@ def test_decode_streams_same_keys_in_another_order(isa, rng, name, streams, head
 @pytest.mark.parametrize("kv_heads, parts", [(8, 1), (32, 4)])
 def test_decode_parts_by_default_on_amd(isa, rng, kv_heads, parts):
     """On AMD the decode kernel either prefetches in software or reads its key ranges as four parts,
-    never both (attend_decode): a float16 cache that outgrows half the last-level cache is read as
-    one part (prefetched) when four query rows share each K/V row (32 query heads over 8), and as
-    four (not prefetched) with one query row per K/V row. The part count sets the order the keys are
-    summed in, so the default call's bits show which one it took."""
+    never both (attend_decode): before Zen 5, a float16 cache that outgrows half the last-level
+    cache is read as one part (prefetched) when four query rows share each K/V row (32 query heads
+    over 8), and as four (not prefetched) with one query row per K/V row; from Zen 5 on (CPUID
+    family 1Ah) always as one. The part count sets the order the keys are summed in, so the default
+    call's bits show which one it took."""
     info = pyattn.runtime_info()
     if info["cpu_vendor"] != "AuthenticAMD":
         pytest.skip("the rule under test is AMD's")
+    if pyattn._core.cpu_family() >= 0x1A:
+        parts = 1
     llc = max(info["l3_cache_bytes"], info["l2_cache_bytes"])
     head_dim, q_heads = 128, 32
     row_bytes = kv_heads * 2 * head_dim * 2  # K and V of one token, all heads, float16

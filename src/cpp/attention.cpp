@@ -89,6 +89,11 @@ bool cpu_is_amd() {
   static const bool amd = std::strcmp(cpu_vendor(), "AuthenticAMD") == 0;
   return amd;
 }
+// AMD's family 1Ah (Zen 5) and later, whose decode rule was measured apart from Zen 3/4's (family 19h).
+bool cpu_is_amd_zen5_on() {
+  static const bool zen5 = cpu_is_amd() && cpu_family() >= 0x1A;
+  return zen5;
+}
 
 size_t padded(size_t elems, size_t elem_size) {
   const size_t per_line = kAlign / elem_size;
@@ -320,6 +325,9 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
   //   256 MiB 1.57x; float32 32 MiB 1.01x, 128 MiB 1.38x, 256 MiB 1.13x, 512 MiB-2 GiB 1.04-1.06x;
   //   4 new tokens float32 128 MiB 1.10x; within L2 (2-8 MiB) 0.99-1.02x. Half of that L3 (240
   //   MiB) would have left most of these unprefetched.
+  // * AMD Zen 5 (family 1Ah: an EPYC VM, 2 vCPUs, AVX-512, 1 MiB L2, 32 MiB L3): one stream with
+  //   software prefetching wherever K and V outgrow the last-level cache, whatever the rows per K/V
+  //   row and the storage; see the parts below for the measurements.
   // Other vendors: as AMD. Prefetch distances of 8 and 32 KiB measured the same as 16 on the Xeon.
   AttnArgs<T> a = in;
   {
@@ -331,8 +339,9 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
     const bool busy_rows =
         a.group * a.q_len >= 4 && (a.kv_storage != Storage::same || (sizeof(T) == 4 && ks.lanes <= 8));
     const bool from_memory = llc > 0 && 2 * kv_bytes >= llc;
-    const bool by_size = cpu_is_intel() ? l2 > 0 && kv_bytes > int64_t(std::max(num_threads, 1)) * l2
-                                        : busy_rows && from_memory;
+    bool by_size = busy_rows && from_memory;
+    if (cpu_is_intel()) by_size = l2 > 0 && kv_bytes > int64_t(std::max(num_threads, 1)) * l2;
+    if (cpu_is_amd_zen5_on()) by_size = llc > 0 && kv_bytes >= llc;
     const int mode = g_prefetch.load(std::memory_order_relaxed);
     a.prefetch_kv = mode < 0 ? by_size : mode == 1;
     // How many parts of each work item's key range the kernel reads side by side (decode.inc,
@@ -356,8 +365,20 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
     // and 1.19-1.30x faster than both (16k). Hence on AMD: software prefetching with one part for
     // busy GQA groups from memory (the rule above), else the parts as on Intel. (Zen 4 unmeasured
     // since the parts.)
+    // On Zen 5 (2 threads, KVCache.attend, 32 query heads, head_dim 128, one new token, prefetch x
+    // parts alternating in one process, medians of 5-7 rounds, AVX-512 kernels) four parts cost
+    // everywhere and one prefetched stream is the fastest or within 3% of it from memory: against the
+    // previous rule (four parts; prefetching only for busy 16-bit rows) float32 8 K/V heads 16k-64k
+    // keys 1.39-1.43x, B = 8 at 4k 1.17x, 32 K/V heads 4k-64k 1.11-1.65x, B = 8 at 4k 1.57x; float16
+    // and bfloat16 with 32 K/V heads 4k-64k 1.44-2.12x (with 8 K/V heads the old rule already chose
+    // it). Below the last-level cache prefetching costs (8-16 MiB: 0.75-0.91x, 1.00-1.36x without
+    // it) and one stream is as fast as two or four (0.98-1.00x); at 32 MiB (float32, 8 K/V heads at
+    // 4k keys or 32 at 1k) prefetching gains 1.47-1.56x, hence "at least the last-level cache".
+    // The AVX2 kernels on the same core measured the same way (one prefetched stream 0.99-2.37x the
+    // old rule, four parts 0.53-1.00x of it), so the rule goes by the core, not the ISA.
     const int streams = g_decode_streams.load(std::memory_order_relaxed);
-    const int by_rule = !cpu_is_intel() && a.prefetch_kv ? 1 : a.kv_storage == Storage::same || from_memory ? 4 : 1;
+    const bool one_part = cpu_is_amd_zen5_on() || (!cpu_is_intel() && a.prefetch_kv);
+    const int by_rule = one_part ? 1 : a.kv_storage == Storage::same || from_memory ? 4 : 1;
     a.decode_streams = streams > 0 ? streams : by_rule;
   }
   const int64_t group = a.group;

@@ -323,6 +323,8 @@ bool cpu_supports(const char* name);
 int64_t cache_bytes(int level);
 // CPUID's vendor string ("GenuineIntel", "AuthenticAMD", ...), "" off x86.
 const char* cpu_vendor();
+// CPUID's display family (base + extended: 0x19 for AMD Zen 3/4, 0x1A for Zen 5, 6 for Intel cores), 0 off x86.
+int cpu_family();
 bool isa_compiled(const char* name);
 
 // attention.cpp: the driver (task split, scratch, merges; its parallel loops are parallel.h's).

@@ -567,6 +567,7 @@ PYBIND11_MODULE(_core, m) {
   m.def("cache_bytes", &cache_bytes, py::arg("level"),
         "Bytes of this CPU's level 1-3 data cache per core, from CPUID (0 where it does not say).");
   m.def("cpu_vendor", []() { return std::string(cpu_vendor()); }, "CPUID's vendor string, '' off x86.");
+  m.def("cpu_family", &cpu_family, "CPUID's display family (0x19: AMD Zen 3/4, 0x1A: Zen 5), 0 off x86.");
   m.def("openmp_runtime", []() { return std::string(openmp_runtime()); });
   m.def("openmp_enabled", &openmp_enabled);
   m.def("compiler", &compiler_string);

@@ -189,6 +189,20 @@ const char* cpu_vendor() {
 #endif
 }
 
+int cpu_family() {
+#if defined(PYATTN_X86)
+  static const int family = [] {
+    unsigned r[4];
+    cpuid(1, 0, r);
+    const int base = int((r[0] >> 8) & 0xf);  // EAX bits 8-11; 0xf means "see the extended family"
+    return base == 0xf ? base + int((r[0] >> 20) & 0xff) : base;
+  }();
+  return family;
+#else
+  return 0;
+#endif
+}
+
 const KernelTable& active_kernels() {
   const KernelTable* t = g_active.load(std::memory_order_acquire);
   if (!t) {

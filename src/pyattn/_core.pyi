@@ -158,6 +158,9 @@ def _convert_half(src: np.ndarray, dst: np.ndarray, num_threads: int = 0, bfloat
 def cpu_vendor() -> str:
     """CPUID's vendor string ("GenuineIntel", "AuthenticAMD", ...), "" off x86."""
 
+def cpu_family() -> int:
+    """CPUID's display family (base + extended: 0x19 AMD Zen 3/4, 0x1A Zen 5, 6 Intel cores), 0 off x86."""
+
 def cache_bytes(level: int) -> int:
     """Bytes of this CPU's level 1-3 data cache per core, from CPUID (0 where it does not say)."""
 
