@@ -1241,6 +1241,79 @@ def test_decode_streams_same_keys_in_another_order(isa, rng, name, streams, head
 
 
 
+
+def assert_default_takes(cache, q, setting, choices, expected):
+    """The default cache.attend(q) gives the bits of `setting(expected)`, and the two `choices` of that
+    setting give different bits (else the comparison could not tell them apart)."""
+    got = cache.attend(q, num_threads=2)
+    by_choice = {}
+    for n in choices:
+        with setting(n):
+            by_choice[n] = cache.attend(q, num_threads=2)
+    assert not np.array_equal(by_choice[choices[0]], by_choice[choices[1]]), f"{choices} agree bit for bit"
+    np.testing.assert_array_equal(got, by_choice[expected])
+
+def decode_block16(keys):
+    """Keys per block of the decode kernel for 16-bit K/V read in place: -1 (the default) by CPU and
+    rows per K/V row (Zen 5 with 4+ rows: 64), or 32 / 64 forced."""
+    return core_setting(pyattn._core._set_decode_block16, keys)
+
+
+@pytest.mark.parametrize("q_heads, q_len", [(8, 1), (16, 3), (32, 1)])  # 1, 6 and 4 rows per K/V row
+@pytest.mark.parametrize("head_dim", [16, 32, 128])  # rows of whole vectors: read in place
+@pytest.mark.parametrize("streams", [1, 4])
+@pytest.mark.parametrize("keys", [32, 64])
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+def test_decode_16_bit_blocks_of_32_or_64_keys(isa, rng, name, keys, streams, head_dim, q_heads, q_len):
+    """16-bit K/V read in blocks of 32 or 64 keys: the same keys, summed block by block, against the
+    reference through a ragged KVCache whose lengths fall on either side of both block sizes (and of
+    a block per part with four parts), and through an explicit mask with holes whose forbidden
+    keys' K/V rows hold NaN (a block of 64 with some keys forbidden takes the NaN guard as one of 32
+    does); the two sizes must differ in the bits of a long range, or the setting did nothing."""
+    kv_heads = 8
+    lengths = [1031, 257, 256, 255, 129, 65, 64, 63, 33, 2]
+    cache, q, new = ragged_cache_step(rng, name, lengths, kv_heads, q_heads, head_dim, q_len)
+    with decode_block16(keys), decode_streams(streams):
+        got = cache.attend(q, num_threads=2)
+    assert_cache_step_close(got, cache, q, new, name)
+    if keys == 64:
+        with decode_block16(32), decode_streams(streams):
+            other = cache.attend(q, num_threads=2)
+        assert not np.array_equal(f64(got)[0], f64(other)[0]), "blocks of 32 and 64 keys agree bit for bit"
+
+    dtype = np_dtype(name)
+    kv_len = 700
+    q2, k2, v2 = make_qkv(rng, dtype, batch=(2,), q_heads=q_heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
+                          head_dim=head_dim, guard=False)
+    key_ok = rng.random(kv_len) < 0.8
+    key_ok[300:380] = False
+    key_ok[0] = True
+    mask = key_ok & (rng.random((2, 1, q_len, kv_len)) < 0.9)
+    mask[..., 0] = True  # no row without a key
+    clean_k, clean_v = f64(k2), f64(v2)
+    for x, clean in ((k2, clean_k), (v2, clean_v)):
+        x[..., ~key_ok, :] = np.nan
+        clean[..., ~key_ok, :] = 0.0
+    with decode_block16(keys), decode_streams(streams):
+        got = sdpa(q2, k2, v2, mask, is_causal="lower_right", enable_gqa=True)
+    assert np.isfinite(f64(got)).all()
+    expected = reference.scaled_dot_product_attention(f64(q2), clean_k, clean_v, mask, is_causal="lower_right",
+                                                      enable_gqa=True)
+    assert_result_close(got, expected, name)
+
+
+@pytest.mark.parametrize("kv_heads, q_len, keys", [(8, 1, 64), (32, 1, 32), (32, 4, 64), (16, 1, 32)])
+def test_decode_16_bit_block_by_default(isa, rng, kv_heads, q_len, keys):
+    """The default block of 16-bit K/V read in place: 64 keys on Zen 5 (CPUID family 1Ah, AMD) where
+    4+ query rows share each K/V row (32 query heads over 8 K/V heads, or 4 new tokens over 32), 32
+    with fewer and on every other CPU. The block sets where the softmax's running maximum moves, so
+    the default call's bits show which one it took."""
+    if not (pyattn.runtime_info()["cpu_vendor"] == "AuthenticAMD" and pyattn._core.cpu_family() >= 0x1A):
+        keys = 32
+    lengths = [3000]
+    cache, q, new = ragged_cache_step(rng, "float16", lengths, kv_heads, 32, 128, q_len)
+    assert_default_takes(cache, q, decode_block16, (32, 64), keys)
+
 @pytest.mark.parametrize("kv_heads, parts", [(8, 1), (32, 4)])
 def test_decode_parts_by_default_on_amd(isa, rng, kv_heads, parts):
     """On AMD the decode kernel either prefetches in software or reads its key ranges as four parts,
@@ -1266,13 +1339,7 @@ def test_decode_parts_by_default_on_amd(isa, rng, kv_heads, parts):
     cache.append(k[:, :, :-1], v[:, :, :-1])
     cache.append(k[:, :, -1:], v[:, :, -1:])
     q = random_array(rng, (1, q_heads, 1, head_dim), np.float32)
-    got = cache.attend(q, num_threads=2)
-    by_parts = {}
-    for n in (1, 4):
-        with decode_streams(n):
-            by_parts[n] = cache.attend(q, num_threads=2)
-    assert not np.array_equal(by_parts[1], by_parts[4]), "one part and four agree bit for bit: nothing to tell"
-    np.testing.assert_array_equal(got, by_parts[parts])
+    assert_default_takes(cache, q, decode_streams, (1, 4), parts)
 
 
 # The child process of test_mask_padding_k_v_rows_are_never_read (argv[1]: the ISA). K and V of each

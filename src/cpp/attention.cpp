@@ -63,6 +63,7 @@ constexpr int64_t kMaxPackedMaskBytes = int64_t(8) << 20;
 std::atomic<int64_t> g_packed_mask_limit{kMaxPackedMaskBytes};
 std::atomic<int> g_prefetch{-1};  // set_prefetch: -1 by cache sizes, 0 never, 1 K/V rows, 2 next items
 std::atomic<int> g_decode_streams{-1};  // set_decode_streams: -1 by storage and size, else 1, 2 or 4
+std::atomic<int> g_decode_block16{-1};  // set_decode_block16: -1 by rule, else 32 or 64
 std::atomic<int> g_group_tiles{1};  // set_group_tiles: 1 GQA groups' heads together, 0 head by head
 std::atomic<int> g_pack_heads{-1};  // set_pack_heads: -1 by sizes, 0 never, 1 whenever K/V heads interleave
 std::atomic<int> g_decode_heads{-1};  // set_decode_heads: -1 where K/V heads interleave, 0 never
@@ -370,16 +371,28 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
     // everywhere and one prefetched stream is the fastest or within 3% of it from memory: against the
     // previous rule (four parts; prefetching only for busy 16-bit rows) float32 8 K/V heads 16k-64k
     // keys 1.39-1.43x, B = 8 at 4k 1.17x, 32 K/V heads 4k-64k 1.11-1.65x, B = 8 at 4k 1.57x; float16
-    // and bfloat16 with 32 K/V heads 4k-64k 1.44-2.12x (with 8 K/V heads the old rule already chose
-    // it). Below the last-level cache prefetching costs (8-16 MiB: 0.75-0.91x, 1.00-1.36x without
-    // it) and one stream is as fast as two or four (0.98-1.00x); at 32 MiB (float32, 8 K/V heads at
-    // 4k keys or 32 at 1k) prefetching gains 1.47-1.56x, hence "at least the last-level cache".
+    // and bfloat16 with 32 K/V heads 4k-64k 1.44-2.12x, B = 8 at 4k 1.37x (with 8 K/V heads the old
+    // rule already chose it). Below the last-level cache (4-16 MiB) prefetching costs (0.72-0.93x
+    // the speed of one part without it, which runs at 0.98-1.36x the old rule; two parts alike); at
+    // 32 MiB (float32, 8 K/V heads at 4k keys or 32 at 1k) it gains 1.46-1.56x over the old rule,
+    // hence "at least the last-level cache". The table is in bench/RESULTS.md (Zen 5).
     // The AVX2 kernels on the same core measured the same way (one prefetched stream 0.99-2.37x the
     // old rule, four parts 0.53-1.00x of it), so the rule goes by the core, not the ISA.
     const int streams = g_decode_streams.load(std::memory_order_relaxed);
     const bool one_part = cpu_is_amd_zen5_on() || (!cpu_is_intel() && a.prefetch_kv);
     const int by_rule = one_part ? 1 : a.kv_storage == Storage::same || from_memory ? 4 : 1;
     a.decode_streams = streams > 0 ? streams : by_rule;
+    // 16-bit K/V read in blocks of 64 keys instead of 32 (decode.inc, decode_block) on Zen 5 where
+    // 4+ query rows share each K/V row: the per-block work (q rows reloaded into registers, the
+    // softmax's reductions) spreads over twice the keys. Zen 5 (2 threads, 32 query heads of 128,
+    // 32 and 64 alternating in one process, medians of 7-9 rounds, float16 and bfloat16): 8 K/V heads
+    // 1k-4k keys 1.10-1.16x, 16k-64k 1.46-1.57x, B = 8 at 4k 1.44-1.45x, 4 K/V heads 16k 1.30x, 4
+    // new tokens per step over 8 and 32 K/V heads 1.23x and 1.10x; with fewer rows per K/V row it
+    // loses from memory (2 rows 0.88-0.96x, one row 0.92-0.98x; 1.06-1.11x from the L3). Other cores
+    // keep 32, measured on Zen 4 before software prefetching (64 and 128 were 35-50% slower there).
+    const int block16 = g_decode_block16.load(std::memory_order_relaxed);
+    const bool long_blocks = cpu_is_amd_zen5_on() && a.group * a.q_len >= 4;
+    a.decode_block16 = block16 > 0 ? block16 : long_blocks ? 64 : 32;
   }
   const int64_t group = a.group;
   const int64_t kv_heads = a.num_heads / group;  // key/value heads per batch entry
@@ -793,6 +806,8 @@ int set_prefetch(int mode) { return g_prefetch.exchange(mode < 0 ? -1 : (mode > 
 int set_group_tiles(int on) { return g_group_tiles.exchange(on ? 1 : 0); }
 int set_pack_heads(int mode) { return g_pack_heads.exchange(mode < 0 ? -1 : (mode > 0 ? 1 : 0)); }
 int set_decode_heads(int mode) { return g_decode_heads.exchange(mode < 0 ? -1 : 0); }
+int set_decode_block16(int keys) { return g_decode_block16.exchange(keys < 0 ? -1 : keys >= 64 ? 64 : 32); }
+
 int set_decode_streams(int streams) {
   return g_decode_streams.exchange(streams < 0 ? -1 : streams >= 4 ? 4 : streams >= 2 ? 2 : 1);
 }

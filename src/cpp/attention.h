@@ -99,6 +99,9 @@ struct AttnArgs {
   // How many parts of a work item's key range the decode kernel reads side by side, row by row in
   // turn: 1, 2 or 4 (decode.inc, decode_blocks); set by the driver (attend_decode).
   int decode_streams = 1;
+  // Keys per block of the decode kernel for 16-bit K/V read in place: 32 or 64 (decode.inc,
+  // decode_block; set by the driver, attend_decode).
+  int decode_block16 = 32;
 
   T* out_rows(int64_t bh) const { return out + (bh / num_heads) * out_stride_b + (bh % num_heads) * out_stride_h; }
   int64_t kv_len_of(int64_t bh) const { return kv_lens ? kv_lens[bh / num_heads] : kv_len; }
@@ -366,6 +369,9 @@ int set_decode_heads(int mode);
 // (attend_decode, the default), or 1, 2 or 4 always (tests and measurements). Returns the previous
 // setting.
 int set_decode_streams(int streams);
+// Keys per block of the decode kernel for 16-bit K/V: -1 decided per call (attend_decode, the
+// default), or 32 or 64 always (tests and measurements). Returns the previous setting.
+int set_decode_block16(int keys);
 bool openmp_enabled();
 const char* openmp_runtime();
 

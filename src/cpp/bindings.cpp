@@ -525,6 +525,9 @@ PYBIND11_MODULE(_core, m) {
         "Whether decode calls over K/V heads that interleave in memory (a (batch, seq, heads, head_dim) "
         "array viewed heads first) read every head's rows of a key block in turn: -1 wherever they "
         "interleave (the default), 0 never (head by head; for tests). Returns the previous setting.");
+  m.def("_set_decode_block16", &set_decode_block16, py::arg("keys"),
+        "Keys per block of the decode kernel for 16-bit K/V: -1 decided per call (the default), 32 or 64 "
+        "always (for tests). Returns the previous setting.");
   m.def("_set_decode_streams", &set_decode_streams, py::arg("streams"),
         "How many parts of a work item's keys the decode kernel reads side by side: -1 decided per call "
         "(the default), 1, 2 or 4 always (for tests). Returns the previous setting.");

@@ -145,6 +145,10 @@ def _set_decode_heads(mode: int) -> int:
     block in turn: -1 wherever they interleave (the default), 0 never (head by head; for tests).
     Returns the previous setting."""
 
+def _set_decode_block16(keys: int) -> int:
+    """Keys per block of the decode kernel for 16-bit K/V: -1 decided per call (the default), 32 or 64
+    always (for tests). Returns the previous setting."""
+
 def _set_decode_streams(streams: int) -> int:
     """How many parts of a work item's keys the decode kernel reads side by side: -1 decided per
     call (the default), 1, 2 or 4 always (for tests). Returns the previous setting."""
