@@ -1200,7 +1200,7 @@ def test_decode_prefetch_changes_nothing(isa, rng, name, head_dim, q_heads, kv_h
 def decode_streams(n):
     """How many parts of a work item's keys the decode kernel reads side by side, rows in turn: -1
     (the default) by storage and size, or 1, 2, 4 forced (a part needs a key block of its own: 128
-    keys in the compute type, 32 in 16 bits; fewer parts where an item is shorter)."""
+    keys in the compute type, 32 or 64 in 16 bits; fewer parts where an item is shorter)."""
     return core_setting(pyattn._core._set_decode_streams, n)
 
 

@@ -782,6 +782,12 @@ def bshd_with_nan_neighbours(rng, batch, kv_len, kv_heads, dim, dtype):
     return np.swapaxes(view, 1, 2)
 
 
+def across_heads():
+    """Decode over interleaved K/V heads read across the heads (attend_decode_heads) wherever it can be,
+    whatever the driver's rule would pick on this CPU (on Zen 5 the chunks for float32)."""
+    return core_setting(pyattn._core._set_decode_heads, 1)
+
+
 @pytest.mark.parametrize(
     "q_heads, kv_heads, q_len, kv_len, head_dim, options",
     [
@@ -822,7 +828,8 @@ def test_decode_across_heads(isa, dtype, rng, q_heads, kv_heads, q_len, kv_len, 
     elif kind == "float":
         mask = random_mask(rng, (batch, 1, q_len, kv_len), "float", dtype)
     kwargs = dict(is_causal=options.get("is_causal", False), enable_gqa=q_heads != kv_heads)
-    outs = [sdpa(q, k, v, mask, num_threads=threads, **kwargs) for threads in (1, 2, 3)]
+    with across_heads():
+        outs = [sdpa(q, k, v, mask, num_threads=threads, **kwargs) for threads in (1, 2, 3)]
     for out in outs[1:]:
         np.testing.assert_array_equal(out, outs[0])
     expected = reference_ignoring_poison(q, k, v, mask, **kwargs)
@@ -851,11 +858,32 @@ def test_decode_across_heads_16_bit(isa, rng, storage):
                 mask[..., 5::9] = False
                 k[..., 5::9, :] = np.nan
                 v[..., 5::9, :] = np.inf
-            got = sdpa(q, k, v, mask, enable_gqa=q_heads != kv_heads)
+            with across_heads():
+                got = sdpa(q, k, v, mask, enable_gqa=q_heads != kv_heads)
             assert got.dtype == dtype
             expected = reference_ignoring_poison(q, k, v, mask, enable_gqa=q_heads != kv_heads)
             assert_close_to_reference(got, expected, dtype)
 
+
+@pytest.mark.parametrize("storage, kv_heads", [("float32", 32), ("float16", 32), ("float16", 8)])
+def test_decode_across_heads_by_default(isa, rng, storage, kv_heads):
+    """Which reading a decode call over interleaved K/V heads takes by default: across the heads
+    everywhere but on Zen 5 (CPUID family 1Ah, AMD), where only 16-bit K/V with fewer than 4 query rows
+    per K/V row do (32 query heads over 32 K/V heads) and the rest take the chunks. The two readings
+    sum the keys in another order, so the default call's bits show which one it took."""
+    zen5 = pyattn.runtime_info()["cpu_vendor"] == "AuthenticAMD" and pyattn._core.cpu_family() >= 0x1A
+    expected = 0 if zen5 and (storage == "float32" or kv_heads == 8) else 1
+    dtype = np.dtype(storage)
+    q = random_array(rng, (1, 32, 1, 64), dtype)
+    k = bshd_with_nan_neighbours(rng, 1, 1500, kv_heads, 64, dtype)
+    v = bshd_with_nan_neighbours(rng, 1, 1500, kv_heads, 64, dtype)
+    got = sdpa(q, k, v, enable_gqa=True)
+    by_mode = {}
+    for mode in (0, 1):
+        with core_setting(pyattn._core._set_decode_heads, mode):
+            by_mode[mode] = sdpa(q, k, v, enable_gqa=True)
+    assert not np.array_equal(by_mode[0], by_mode[1]), "both readings agree bit for bit: nothing to tell"
+    np.testing.assert_array_equal(got, by_mode[expected])
 
 def test_decode_across_heads_head_dims(isa, dtype, rng):
     """Every head_dim from 1 to 2 * lanes + 1 (AVX-512 float32: 33): rows of whole vectors take
@@ -865,7 +893,8 @@ def test_decode_across_heads_head_dims(isa, dtype, rng):
             q = random_array(rng, (1, 4, 1, head_dim), dtype)
             k = bshd_with_nan_neighbours(rng, 1, 100, 2, head_dim, dtype)
             v = bshd_with_nan_neighbours(rng, 1, 100, 2, value_dim, dtype)
-            got = sdpa(q, k, v, enable_gqa=True)
+            with across_heads():
+                got = sdpa(q, k, v, enable_gqa=True)
             assert_close(got, reference_ignoring_poison(q, k, v, None, enable_gqa=True), dtype)
 
 
@@ -1000,9 +1029,9 @@ def test_interleaved_heads_decode(isa, dtype, rng, q_heads, kv_heads, q_len, kv_
     """Decoding (q_len <= 8) against K/V whose heads interleave in memory reads the keys key by key
     across all heads where a head's query rows fit one tile and the rows are whole vectors
     (attend_decode_heads), else in short chunks, chunk by chunk across the heads (kInterleavedChunk;
-    _set_decode_heads(0) forces those): the reference's values, and those of the same values stored
+    _set_decode_heads(1) and (0) force each): the reference's values, and those of the same values stored
     heads first, for every chunk count and remainder."""
-    with core_setting(pyattn._core._set_decode_heads, -1 if route == "across heads" else 0):
+    with core_setting(pyattn._core._set_decode_heads, 1 if route == "across heads" else 0):
         interleaved_heads_decode(dtype, rng, q_heads, kv_heads, q_len, kv_len, options)
 
 

@@ -66,7 +66,7 @@ std::atomic<int> g_decode_streams{-1};  // set_decode_streams: -1 by storage and
 std::atomic<int> g_decode_block16{-1};  // set_decode_block16: -1 by rule, else 32 or 64
 std::atomic<int> g_group_tiles{1};  // set_group_tiles: 1 GQA groups' heads together, 0 head by head
 std::atomic<int> g_pack_heads{-1};  // set_pack_heads: -1 by sizes, 0 never, 1 whenever K/V heads interleave
-std::atomic<int> g_decode_heads{-1};  // set_decode_heads: -1 where K/V heads interleave, 0 never
+std::atomic<int> g_decode_heads{-1};  // set_decode_heads: -1 by rule where K/V heads interleave, 0 never, 1 always
 
 // The last-level cache in bytes (L3, else L2; 0 when CPUID does not tell): what decides whether a
 // call's arrays come from memory (the prefetch conditions below).
@@ -414,11 +414,19 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
   // of heads stored first, 16384 keys 0.45-0.47 -> 0.69-0.72x, B = 4 at 4096 0.43-0.56 ->
   // 0.58-0.72x, 8 K/V heads at 4096 0.49-0.64 -> 0.63-0.66x; chunks of 32, 64 and 256 keys measured
   // 0.58-0.72x). At most kMaxInterleavedChunks chunks per head, so the partial states stay small.
+  // On Zen 5 the chunks, with its decode rule above (one software-prefetched stream), are the faster
+  // reading except for 16-bit K/V with fewer than 4 query rows per K/V row (2 threads, 32 query
+  // heads of 128, one new token, alternating in one process, medians of 7 rounds; across heads /
+  // chunks): float32 0.62-0.92x (8 and 32 K/V heads, 1k-16k keys), 16-bit with 8 K/V heads
+  // 0.61-0.80x, but with 16 or 32 K/V heads 1.26-1.46x from 4k keys on (0.98x at 1k), hence the
+  // rule below there.
   constexpr int64_t kInterleavedChunk = 128, kMaxInterleavedChunks = 256;
   const bool interleaved = kv_heads_interleave(a);
   const int heads_mode = g_decode_heads.load(std::memory_order_relaxed);
   const bool whole_vectors = ks.decode_padded(a.head_dim) == a.head_dim && ks.decode_padded(a.value_dim) == a.value_dim;
-  if (interleaved && row_chunks == 1 && whole_vectors && heads_mode != 0) return attend_decode_heads(a, ks, num_threads);
+  const bool heads_by_rule = !cpu_is_amd_zen5_on() || (a.kv_storage != Storage::same && rows_total < 4);
+  const bool across_heads = heads_mode > 0 || (heads_mode < 0 && heads_by_rule);
+  if (interleaved && row_chunks == 1 && whole_vectors && across_heads) return attend_decode_heads(a, ks, num_threads);
   Split split = split_keys(tasks, a.kv_len, ks.decode_block, kDecodeMinChunk);
   if (interleaved && a.kv_len > kInterleavedChunk) {
     const int64_t chunk = std::max(kInterleavedChunk, ceil_div(a.kv_len, kMaxInterleavedChunks));
@@ -805,7 +813,7 @@ int64_t set_packed_mask_limit(int64_t bytes) { return g_packed_mask_limit.exchan
 int set_prefetch(int mode) { return g_prefetch.exchange(mode < 0 ? -1 : (mode > 2 ? 2 : mode)); }
 int set_group_tiles(int on) { return g_group_tiles.exchange(on ? 1 : 0); }
 int set_pack_heads(int mode) { return g_pack_heads.exchange(mode < 0 ? -1 : (mode > 0 ? 1 : 0)); }
-int set_decode_heads(int mode) { return g_decode_heads.exchange(mode < 0 ? -1 : 0); }
+int set_decode_heads(int mode) { return g_decode_heads.exchange(mode < 0 ? -1 : mode > 0 ? 1 : 0); }
 int set_decode_block16(int keys) { return g_decode_block16.exchange(keys < 0 ? -1 : keys >= 64 ? 64 : 32); }
 
 int set_decode_streams(int streams) {

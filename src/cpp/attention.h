@@ -362,8 +362,9 @@ int set_group_tiles(int on);
 // default), 0 never, 1 whenever they interleave (tests). Returns the previous setting.
 int set_pack_heads(int mode);
 // Whether decode calls over K/V whose heads interleave in memory read every head of a key block in
-// turn (attention.cpp, attend_decode_heads): -1 wherever they interleave (the default), 0 never
-// (head by head, chunk by chunk across the heads). Returns the previous setting.
+// turn (attention.cpp, attend_decode_heads): -1 by the driver's rule (the default: wherever they
+// interleave, on Zen 5 only for 16-bit K/V with fewer than 4 query rows per K/V row), 0 never (head
+// by head, chunk by chunk across the heads), 1 wherever they interleave. Returns the previous setting.
 int set_decode_heads(int mode);
 // How many parts of a work item's keys the decode kernel reads side by side: -1 decided per call
 // (attend_decode, the default), or 1, 2 or 4 always (tests and measurements). Returns the previous

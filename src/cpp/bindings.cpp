@@ -523,8 +523,10 @@ PYBIND11_MODULE(_core, m) {
         "previous setting.");
   m.def("_set_decode_heads", &set_decode_heads, py::arg("mode"),
         "Whether decode calls over K/V heads that interleave in memory (a (batch, seq, heads, head_dim) "
-        "array viewed heads first) read every head's rows of a key block in turn: -1 wherever they "
-        "interleave (the default), 0 never (head by head; for tests). Returns the previous setting.");
+        "array viewed heads first) read every head's rows of a key block in turn: -1 by rule (the "
+        "default: wherever they interleave; on Zen 5 only for 16-bit K/V with fewer than 4 query rows per "
+        "K/V row), 0 never (head by head), 1 wherever they interleave (for tests). Returns the previous "
+        "setting.");
   m.def("_set_decode_block16", &set_decode_block16, py::arg("keys"),
         "Keys per block of the decode kernel for 16-bit K/V: -1 decided per call (the default), 32 or 64 "
         "always (for tests). Returns the previous setting.");

@@ -142,8 +142,9 @@ def _set_pack_heads(mode: int) -> int:
 
 def _set_decode_heads(mode: int) -> int:
     """Whether decode calls over K/V heads that interleave in memory read every head's rows of a key
-    block in turn: -1 wherever they interleave (the default), 0 never (head by head; for tests).
-    Returns the previous setting."""
+    block in turn: -1 by rule (the default: wherever they interleave; on Zen 5 only for 16-bit K/V with
+    fewer than 4 query rows per K/V row), 0 never (head by head), 1 wherever they interleave (for
+    tests). Returns the previous setting."""
 
 def _set_decode_block16(keys: int) -> int:
     """Keys per block of the decode kernel for 16-bit K/V: -1 decided per call (the default), 32 or 64
