@@ -31,6 +31,19 @@ def core_setting(setter, value):
         setter(previous)
 
 
+def assert_default_takes(call, setting, choices, expected):
+    """call() with the core's default settings gives the bits of call() under `setting(expected)`
+    (a context manager such as core_setting), and the two `choices` of that setting give different
+    bits (else the comparison could not tell them apart)."""
+    got = call()
+    by_choice = {}
+    for n in choices:
+        with setting(n):
+            by_choice[n] = call()
+    assert not np.array_equal(by_choice[choices[0]], by_choice[choices[1]]), f"{choices} agree bit for bit"
+    np.testing.assert_array_equal(got, by_choice[expected])
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(20240607)

@@ -26,7 +26,16 @@ import copy
 
 import numpy as np
 import pytest
-from conftest import TOL, assert_close, core_setting, make_qkv, nan_guarded, random_array, random_mask
+from conftest import (
+    TOL,
+    assert_close,
+    assert_default_takes,
+    core_setting,
+    make_qkv,
+    nan_guarded,
+    random_array,
+    random_mask,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -1242,17 +1251,6 @@ def test_decode_streams_same_keys_in_another_order(isa, rng, name, streams, head
 
 
 
-def assert_default_takes(cache, q, setting, choices, expected):
-    """The default cache.attend(q) gives the bits of `setting(expected)`, and the two `choices` of that
-    setting give different bits (else the comparison could not tell them apart)."""
-    got = cache.attend(q, num_threads=2)
-    by_choice = {}
-    for n in choices:
-        with setting(n):
-            by_choice[n] = cache.attend(q, num_threads=2)
-    assert not np.array_equal(by_choice[choices[0]], by_choice[choices[1]]), f"{choices} agree bit for bit"
-    np.testing.assert_array_equal(got, by_choice[expected])
-
 def decode_block16(keys):
     """Keys per block of the decode kernel for 16-bit K/V read in place: -1 (the default) by CPU and
     rows per K/V row (Zen 5 with 4+ rows: 64), or 32 / 64 forced."""
@@ -1267,9 +1265,9 @@ def decode_block16(keys):
 def test_decode_16_bit_blocks_of_32_or_64_keys(isa, rng, name, keys, streams, head_dim, q_heads, q_len):
     """16-bit K/V read in blocks of 32 or 64 keys: the same keys, summed block by block, against the
     reference through a ragged KVCache whose lengths fall on either side of both block sizes (and of
-    a block per part with four parts), and through an explicit mask with holes whose forbidden
-    keys' K/V rows hold NaN (a block of 64 with some keys forbidden takes the NaN guard as one of 32
-    does); the two sizes must differ in the bits of a long range, or the setting did nothing."""
+    a block per part with four parts), and through the split path's mask with holes whose forbidden
+    keys' K/V rows hold NaN (long_kv_inputs: a block of 64 with some keys forbidden takes the NaN
+    guard as one of 32 does); the two sizes must differ in the bits of a long range, or the setting did nothing."""
     kv_heads = 8
     lengths = [1031, 257, 256, 255, 129, 65, 64, 63, 33, 2]
     cache, q, new = ragged_cache_step(rng, name, lengths, kv_heads, q_heads, head_dim, q_len)
@@ -1281,19 +1279,8 @@ def test_decode_16_bit_blocks_of_32_or_64_keys(isa, rng, name, keys, streams, he
             other = cache.attend(q, num_threads=2)
         assert not np.array_equal(f64(got)[0], f64(other)[0]), "blocks of 32 and 64 keys agree bit for bit"
 
-    dtype = np_dtype(name)
-    kv_len = 700
-    q2, k2, v2 = make_qkv(rng, dtype, batch=(2,), q_heads=q_heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
-                          head_dim=head_dim, guard=False)
-    key_ok = rng.random(kv_len) < 0.8
-    key_ok[300:380] = False
-    key_ok[0] = True
-    mask = key_ok & (rng.random((2, 1, q_len, kv_len)) < 0.9)
-    mask[..., 0] = True  # no row without a key
-    clean_k, clean_v = f64(k2), f64(v2)
-    for x, clean in ((k2, clean_k), (v2, clean_v)):
-        x[..., ~key_ok, :] = np.nan
-        clean[..., ~key_ok, :] = 0.0
+    q2, k2, v2, mask, clean_k, clean_v = long_kv_inputs(rng, np_dtype(name), q_len, kv_len=1600, heads=q_heads,
+                                                        kv_heads=kv_heads, head_dim=head_dim)
     with decode_block16(keys), decode_streams(streams):
         got = sdpa(q2, k2, v2, mask, is_causal="lower_right", enable_gqa=True)
     assert np.isfinite(f64(got)).all()
@@ -1312,7 +1299,7 @@ def test_decode_16_bit_block_by_default(isa, rng, kv_heads, q_len, keys):
         keys = 32
     lengths = [3000]
     cache, q, new = ragged_cache_step(rng, "float16", lengths, kv_heads, 32, 128, q_len)
-    assert_default_takes(cache, q, decode_block16, (32, 64), keys)
+    assert_default_takes(lambda: cache.attend(q, num_threads=2), decode_block16, (32, 64), keys)
 
 @pytest.mark.parametrize("kv_heads, parts", [(8, 1), (32, 4)])
 def test_decode_parts_by_default_on_amd(isa, rng, kv_heads, parts):
@@ -1339,7 +1326,7 @@ def test_decode_parts_by_default_on_amd(isa, rng, kv_heads, parts):
     cache.append(k[:, :, :-1], v[:, :, :-1])
     cache.append(k[:, :, -1:], v[:, :, -1:])
     q = random_array(rng, (1, q_heads, 1, head_dim), np.float32)
-    assert_default_takes(cache, q, decode_streams, (1, 4), parts)
+    assert_default_takes(lambda: cache.attend(q, num_threads=2), decode_streams, (1, 4), parts)
 
 
 # The child process of test_mask_padding_k_v_rows_are_never_read (argv[1]: the ISA). K and V of each

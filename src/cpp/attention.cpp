@@ -331,6 +331,7 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
   //   row and the storage; see the parts below for the measurements.
   // Other vendors: as AMD. Prefetch distances of 8 and 32 KiB measured the same as 16 on the Xeon.
   AttnArgs<T> a = in;
+  const int64_t rows_total = a.group * a.q_len;  // query rows per key/value head
   {
     const int64_t llc = last_level_cache_bytes(), l2 = cache_bytes(2);
     const int64_t kv_bytes = a.batch_heads / a.group * a.kv_len * (a.head_dim + a.value_dim) * a.kv_item_bytes();
@@ -338,7 +339,7 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
     // 256-bit vectors (8 float32 lanes). Where fewer rows share it, the four parts below replace
     // software prefetching instead of adding to it (measured on Zen 3 since the parts, below).
     const bool busy_rows =
-        a.group * a.q_len >= 4 && (a.kv_storage != Storage::same || (sizeof(T) == 4 && ks.lanes <= 8));
+        rows_total >= 4 && (a.kv_storage != Storage::same || (sizeof(T) == 4 && ks.lanes <= 8));
     const bool from_memory = llc > 0 && 2 * kv_bytes >= llc;
     bool by_size = busy_rows && from_memory;
     if (cpu_is_intel()) by_size = l2 > 0 && kv_bytes > int64_t(std::max(num_threads, 1)) * l2;
@@ -391,13 +392,12 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
     // loses from memory (2 rows 0.88-0.96x, one row 0.92-0.98x; 1.06-1.11x from the L3). Other cores
     // keep 32, measured on Zen 4 before software prefetching (64 and 128 were 35-50% slower there).
     const int block16 = g_decode_block16.load(std::memory_order_relaxed);
-    const bool long_blocks = cpu_is_amd_zen5_on() && a.group * a.q_len >= 4;
+    const bool long_blocks = cpu_is_amd_zen5_on() && rows_total >= 4;
     a.decode_block16 = block16 > 0 ? block16 : long_blocks ? 64 : 32;
   }
   const int64_t group = a.group;
   const int64_t kv_heads = a.num_heads / group;  // key/value heads per batch entry
   const int64_t kv_groups = a.batch_heads / group;
-  const int64_t rows_total = group * a.q_len;
   const int64_t row_chunks = ceil_div(rows_total, kDecodeMaxRows);
   const int64_t chunk_rows = ceil_div(rows_total, row_chunks);
   const int64_t tasks = kv_groups * row_chunks;
@@ -815,7 +815,6 @@ int set_group_tiles(int on) { return g_group_tiles.exchange(on ? 1 : 0); }
 int set_pack_heads(int mode) { return g_pack_heads.exchange(mode < 0 ? -1 : (mode > 0 ? 1 : 0)); }
 int set_decode_heads(int mode) { return g_decode_heads.exchange(mode < 0 ? -1 : mode > 0 ? 1 : 0); }
 int set_decode_block16(int keys) { return g_decode_block16.exchange(keys < 0 ? -1 : keys >= 64 ? 64 : 32); }
-
 int set_decode_streams(int streams) {
   return g_decode_streams.exchange(streams < 0 ? -1 : streams >= 4 ? 4 : streams >= 2 ? 2 : 1);
 }
