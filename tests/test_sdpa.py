@@ -204,6 +204,19 @@ def masks_read_as_bytes():
     return core_setting(pyattn._core._set_packed_mask_limit, 0)
 
 
+def masks_packed_without_lane_words(mask, batch_heads, q_len, kv_len):
+    """Lets the driver pack `mask` (broadcast to batch_heads + (q_len, kv_len)) to bits but leaves no
+    room for its lane words (attention.cpp, pack_mask_bits): the tiles then build every partly masked
+    block's verdict words from the bits."""
+    mask = np.asarray(mask)
+    shape = (1,) * (2 + len(batch_heads) - mask.ndim) + mask.shape
+    distinct = int(np.prod([n for n in shape[:-2]]))
+    rows = shape[-2]
+    words = -(-kv_len // 64)
+    nbytes = distinct * rows * words * 8 * (1 if mask.dtype == bool else 2)
+    return core_setting(pyattn._core._set_packed_mask_limit, nbytes)
+
+
 @pytest.fixture
 def mask_bytes():
     with masks_read_as_bytes():
@@ -217,6 +230,7 @@ def _bool_mask_cases(rng, q_len, kv_len):
     padded = np.ones((2, 1, 1, kv_len), dtype=bool)
     padded[0, ..., kv_len // 3 :] = False
     padded[1, ..., : kv_len // 5] = False
+    padded[..., 7 :: kv_len // 5] = False  # holes every row shares: blocks with per-element selects
     return {
         "shared_2d": holes[0, 0],  # one mask for every batch entry and head
         "per_batch": holes[:, :1],  # (B, 1, L, S): heads of a batch entry share one
@@ -264,18 +278,23 @@ MASK_LAYOUTS = [("bool", layout) for layout in ("shared_2d", "per_batch", "per_h
 @pytest.mark.parametrize("options", [{}, {"is_causal": "lower_right"}, {"return_weights": True}], ids=str)
 def test_mask_bits_agree_with_mask_as_given(isa, dtype, rng, q_len, kv_len, kind, layout, options):
     # The driver packs masks to bits when the copy fits its budget (boolean: one bit per element;
-    # float: two, not -inf and a value to add), and the kernels read the bytes or floats otherwise:
-    # both give bit-identical results, and match the reference.
+    # float: two, not -inf and a value to add), with lane words (the bits by 32-key chunk, read in
+    # place by the score tiles' select) when those fit too, and the kernels read the bytes or floats
+    # otherwise: all three give bit-identical results, and match the reference.
     q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=3, q_len=q_len, kv_len=kv_len, head_dim=16)
     cases = _bool_mask_cases(rng, q_len, kv_len) if kind == "bool" else _float_mask_cases(rng, dtype, q_len, kv_len)
     mask = cases[layout]
     packed = check_against_reference(q, k, v, mask, **options)
     with masks_read_as_bytes():
         as_given = sdpa(q, k, v, mask, **options)
+    with masks_packed_without_lane_words(mask, (2, 3), q_len, kv_len):
+        bits_only = sdpa(q, k, v, mask, **options)
     if options.get("return_weights"):
         np.testing.assert_array_equal(packed[1], as_given[1])
-        packed, as_given = packed[0], as_given[0]
+        np.testing.assert_array_equal(packed[1], bits_only[1])
+        packed, as_given, bits_only = packed[0], as_given[0], bits_only[0]
     np.testing.assert_array_equal(packed, as_given)
+    np.testing.assert_array_equal(packed, bits_only)
 
 
 @pytest.mark.parametrize("column", [130, 297])  # in a whole vector of the row / in its tail

@@ -45,7 +45,18 @@ struct MaskSlot {
   const int64_t* bits_offset = nullptr;  // [batch_heads]
   int64_t bits_stride_l = 0;
   int64_t bits_words = 0;
+  // The same bits by 32-key chunk, rows side by side, as the score tiles' select reads them (one
+  // vector load gives a row vector's words for 32 keys, so a tile needs no words of its own): key j
+  // of row i of head bh is bit j % 32 of lane_words[lane_offset[bh] + (j / 32) * lane_rows + i], and
+  // with bits_stride_l 0, the shared row is stored kMaxTileRows times (i = 0 .. kMaxTileRows - 1).
+  // Packed with bits when both fit the budget (else null).
+  const uint32_t* lane_words = nullptr;
+  const int64_t* lane_offset = nullptr;  // [batch_heads]
+  int64_t lane_rows = 0;
 };
+
+// The most query rows one tile of the kernels holds: 4 row vectors of 16 floats (AVX-512).
+constexpr int64_t kMaxTileRows = 64;
 
 // One scaled-dot-product-attention call, flattened to (batch*heads) independent heads.
 // q, k, v are addressed as base + offset[bh] + row * row_stride + column, in elements; their last
