@@ -127,7 +127,7 @@ class Mistakes:
                 names, exc = ("num_new",), ValueError
             elif what == "append_num_new_dtype":
                 kwargs = dict(num_new=np.zeros(B, np.float64) if rng.random() < 0.5 else np.zeros(B, bool))
-                names, exc = ("num_new",), (ValueError, TypeError)
+                names, exc = ("num_new",), TypeError
             else:  # append_bad_lengths: the public lengths set out of [0, max_len] by hand
                 restore = self._corrupt_lengths()
                 names, exc = ("lengths", "max_len"), ValueError
@@ -249,9 +249,9 @@ class Mistakes:
             x = self._values((B, chunk, e), dtype)
             names, exc = ("max_len",), ValueError
         elif what == "mha_num_new":
-            kwargs = dict(num_new=[np.full(B, chunk + 1), np.full(B, -1), np.zeros(B + 1, np.int64),
-                                   np.zeros(B)][int(rng.integers(0, 4))])
-            names, exc = ("num_new",), ValueError
+            pick = int(rng.integers(0, 4))
+            kwargs = dict(num_new=[np.full(B, chunk + 1), np.full(B, -1), np.zeros(B + 1, np.int64), np.zeros(B)][pick])
+            names, exc = ("num_new",), TypeError if pick == 3 else ValueError
         elif what == "mha_threads":
             bad = [0, -3, "2", 2.0][int(rng.integers(0, 4))]
             kwargs, names = dict(num_threads=bad), ("num_threads",)

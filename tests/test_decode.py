@@ -888,8 +888,11 @@ def test_append_shape_and_dtype_errors(rng):
     for error, name, k, v in cases:
         with pytest.raises(error, match=name):
             cache.append(k, v)
-    for bad in (np.array([1]), np.array([1, 2, 0]), np.array([2, 0]), np.array([-1, 0]), np.array([0.5, 1.0])):
+    for bad in (np.array([1]), np.array([1, 2, 0]), np.array([2, 0]), np.array([-1, 0]), 1):
         with pytest.raises(ValueError, match="num_new"):
+            cache.append(good_k, good_v, num_new=bad)
+    for bad in (np.array([0.5, 1.0]), np.array([1.0, 1.0]), np.array([True, False]), ["1", "1"]):
+        with pytest.raises(TypeError, match="num_new"):
             cache.append(good_k, good_v, num_new=bad)
     assert cache.lengths.tolist() == [0, 0]
 

@@ -172,7 +172,9 @@ class KVCache:
         Any float dtype; converted to the storage dtype. num_new : optional (batch,) ints in
         [0, chunk]: how many of the chunk's tokens are real in each row (prompts of different
         lengths); they are the first num_new[b] tokens (right padding) or, with left_padded=True,
-        the last ones. Raises ValueError, changing nothing, if a row would exceed max_len.
+        the last ones. Raises, changing nothing, ValueError if a row would exceed max_len or a
+        shape or count is wrong, TypeError for a key/value that is not floating or counts that are
+        not integers.
         """
         k = _as_numpy(key, "key")
         v = _as_numpy(value, "value")
@@ -196,8 +198,9 @@ class KVCache:
         self._commit_append(counts, end, chunk, left_padded)
 
     def _plan_append(self, num_new, chunk):
-        """(lengths before, tokens per row, lengths after) of appending a chunk; raises ValueError,
-        changing nothing, for bad counts or a row that would exceed max_len."""
+        """(lengths before, tokens per row, lengths after) of appending a chunk; raises, changing
+        nothing, TypeError for counts that are not integers and ValueError for counts of the wrong
+        shape or range or a row that would exceed max_len."""
         if num_new is None:  # every row appends the whole chunk (a decode step: keep it cheap)
             counts = _filled_ints(chunk, self.batch)
             before = self._lengths_if_valid(chunk)
@@ -205,8 +208,10 @@ class KVCache:
                 return before, counts, before + counts
         else:
             counts = _as_numpy(num_new, "num_new")
-            if counts.shape != (self.batch,) or counts.dtype.kind not in "iu":
-                raise ValueError(f"num_new: expected {self.batch} integers, got {counts!r}")
+            if counts.dtype.kind not in "iu":  # bool is kind "b"; as _per_row, a wrong type is a TypeError
+                raise TypeError(f"num_new: expected {self.batch} integers, got {counts!r}")
+            if counts.shape != (self.batch,):
+                raise ValueError(f"num_new: expected {self.batch} integers (one per batch row), got shape {counts.shape}")
             counts = counts.astype(np.int64)
             if (counts < 0).any() or (counts > chunk).any():
                 raise ValueError(f"num_new: entries must lie in [0, {chunk}], got {counts.tolist()}")
