@@ -212,6 +212,26 @@ def test_batched_input_gives_one_explanation_per_item(rng):
         assert ex.tokens == list("abcde")
 
 
+def test_sequence_first_input_with_batch_first_false(rng):
+    # A (L, B, E) input, as a layer built with batch_first=False takes it, explains as its (B, L, E)
+    # transpose does; batch_first must be a bool, and 2-D input ignores it.
+    w = random_layer(rng)
+    x = rng.standard_normal((3, 5, 8))
+    padding = np.zeros((3, 5), dtype=bool)
+    padding[2, 4:] = True
+    batch = explain(x, w, key_padding_mask=padding, is_causal=True)
+    seq_first = explain(x.swapaxes(0, 1), w, key_padding_mask=padding, is_causal=True, batch_first=False)
+    assert len(seq_first) == 3
+    for a, b in zip(batch, seq_first):
+        np.testing.assert_array_equal(a.output, b.output)
+        np.testing.assert_array_equal(a.weights, b.weights)
+    np.testing.assert_array_equal(explain(x[0], w, batch_first=False).output, explain(x[0], w).output)
+    with pytest.raises(TypeError, match="batch_first"):
+        explain(x, w, batch_first=0)
+    with pytest.raises(ValueError, match=r"\(L, B, E\)"):
+        explain(x[None], w, batch_first=False)
+
+
 def _mha_available():
     return hasattr(pyattn, "mha")
 

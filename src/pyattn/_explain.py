@@ -283,12 +283,13 @@ def explain(
     is_causal=False,
     attn_mask=None,
     key_padding_mask=None,
+    batch_first=True,
 ):
     """Self-attention of ``x`` through a multi-head attention layer, every intermediate kept.
 
     Parameters
     ----------
-    x : array_like, shape (L, E) or (B, L, E)
+    x : array_like, shape (L, E) or (B, L, E) [batch_first=False: (L, B, E)]
         Token embeddings (any float dtype; computed in float64).
     layer_or_weights : pyattn.MultiHeadAttention, torch.nn.MultiheadAttention or dict
         The layer, or its weights under torch ``state_dict`` names (``in_proj_weight``,
@@ -303,6 +304,10 @@ def explain(
         As in :func:`pyattn.mha`: ``attn_mask`` (L, S) or (num_heads, L, S) [batched: (B*num_heads,
         L, S)], bool True = not allowed, float added; ``key_padding_mask`` (S,) [batched: (B, S)],
         bool True = padding, float added.
+    batch_first : bool
+        How a 3-D ``x`` is laid out: (B, L, E) (True, the default) or (L, B, E) (False, as a layer
+        built with ``batch_first=False`` takes it; the layer's own setting is not consulted, since
+        torch's default differs from pyattn's). The masks keep their shapes either way.
 
     Returns
     -------
@@ -316,14 +321,18 @@ def explain(
         raise ValueError("num_heads: required for a dict of weights without a 'num_heads' entry")
     if layer_heads is not None and layer_heads != num_heads:
         raise ValueError(f"num_heads: {num_heads} differs from the layer's {layer_heads}")
+    if type(batch_first) is not bool:
+        raise TypeError(f"batch_first: expected True or False, got {batch_first!r}")
     x = _as_float64(x, "x")
+    if x.ndim == 3 and not batch_first:
+        x = x.swapaxes(0, 1)
     # NumPy arrays (a masked one refused) before the batched path below slices them.
     attn_mask = None if attn_mask is None else _as_numpy(attn_mask, "attn_mask")
     key_padding_mask = None if key_padding_mask is None else _as_numpy(key_padding_mask, "key_padding_mask")
     if x.ndim == 2:
         return _explain_one(x, weights, num_heads, tokens, is_causal, attn_mask, key_padding_mask)
     if x.ndim != 3:
-        raise ValueError(f"x: expected shape (L, E) or (B, L, E), got {x.shape}")
+        raise ValueError(f"x: expected shape (L, E) or {'(B, L, E)' if batch_first else '(L, B, E)'}, got {x.shape}")
     batch = x.shape[0]
     per_batch_tokens = tokens is not None and len(tokens) == batch and all(isinstance(t, (list, tuple)) for t in tokens)
     results = []
