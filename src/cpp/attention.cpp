@@ -333,9 +333,22 @@ void attend_decode_heads(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_t
   });
 }
 
-// Few query rows per head (decode): lanes along head_dim, all query heads of a GQA group together.
+// How the decode kernel reads K and V on this core, for one call (attend_decode): software
+// prefetching, the parts of a work item read side by side, the 16-bit block length, and whether K/V
+// heads that interleave in memory are read across the heads. Each is a rule measured per core, as
+// said at each; the _core._set_* switches (g_prefetch, g_decode_streams, g_decode_block16,
+// g_decode_heads) force them for tests. One function, so that the cores' rules read side by side.
+struct DecodeRules {
+  bool prefetch_kv;
+  int streams;
+  int block16;
+  bool across_heads;
+};
+
 template <class T>
-void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_threads) {
+DecodeRules decode_rules(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_threads) {
+  DecodeRules r{};
+  const int64_t rows_total = a.group * a.q_len;  // query rows per key/value head
   // Software prefetching of the K and V streams, 16 KiB ahead in each (decode.inc, Ahead), where the
   // hardware prefetchers alone leave the cores waiting. The need differs between the two x86 cores
   // it was measured on (2 threads, KVCache.attend, 32 query heads, head_dim 128, prefetch off / on
@@ -370,71 +383,88 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
   //   software prefetching wherever K and V outgrow the last-level cache, whatever the rows per K/V
   //   row and the storage; see the parts below for the measurements.
   // Other vendors: as AMD. Prefetch distances of 8 and 32 KiB measured the same as 16 on the Xeon.
+  const int64_t llc = last_level_cache_bytes(), l2 = cache_bytes(2);
+  const int64_t kv_bytes = a.batch_heads / a.group * a.kv_len * (a.head_dim + a.value_dim) * a.kv_item_bytes();
+  // Long arithmetic per K/V row (AMD): 4+ query rows share each row, and it is 16-bit or float32 in
+  // 256-bit vectors (8 float32 lanes). Where fewer rows share it, the four parts below replace
+  // software prefetching instead of adding to it (measured on Zen 3 since the parts, below).
+  const bool busy_rows =
+      rows_total >= 4 && (a.kv_storage != Storage::same || (sizeof(T) == 4 && ks.lanes <= 8));
+  const bool from_memory = llc > 0 && 2 * kv_bytes >= llc;
+  bool by_size = busy_rows && from_memory;
+  if (cpu_is_intel()) by_size = l2 > 0 && kv_bytes > int64_t(std::max(num_threads, 1)) * l2;
+  if (cpu_is_amd_zen5_on()) by_size = llc > 0 && kv_bytes >= llc;
+  const int mode = g_prefetch.load(std::memory_order_relaxed);
+  r.prefetch_kv = mode < 0 ? by_size : mode == 1;
+  // How many parts of each work item's key range the kernel reads side by side (decode.inc,
+  // decode_blocks): reading one K (or V) stream front to back, a core keeps too few lines in flight
+  // to reach the memory's bandwidth. Measured on a Sapphire Rapids-class Xeon VM (2 threads,
+  // KVCache.attend, 32 query heads, head_dim 128, one stream / two / four alternating in one
+  // process, medians of 9-15 rounds): float32 K/V from memory (128 MiB-2 GiB) 1.11-1.21x /
+  // 1.15-1.28x faster, held in the L3 (16-32 MiB) 0.97-1.07x / 0.98-1.07x, cold (the caches evicted
+  // before each call, as a model's other layers do) 32 MiB 1.14-1.18x / 1.27-1.31x; 16-bit K/V from
+  // memory (64-512 MiB) 1.08-1.21x / 1.15-1.32x, cold 4-64 MiB 1.03-1.26x / 1.03-1.34x, but held in
+  // the L3 (4-32 MiB) 0.93-1.00x / 0.90-0.96x, where arithmetic bounds the step (conversions, four
+  // query rows per K/V row) and more streams only cost. Hence four parts, for 16-bit K/V from half
+  // the last-level cache on (the AMD prefetch rule's "from memory", above).
+  // On AMD (a Zen 3 VM, AVX2: 2 threads, the same calls, medians of 31 rounds, two runs) the parts
+  // and software prefetching do not add up: with both, a step was slower than with either alone.
+  // Where 4 query rows share each K/V row (8 K/V heads; 4k-64k keys and B = 8 at 4k), prefetching
+  // with one part was 0.98-1.18x as fast as both together (mostly 1.05-1.16x), and four parts
+  // without prefetching about as fast as prefetching with one (0.90-1.15x of it, the geometric
+  // mean ~0.98x); with one query row per 16-bit K/V row (32 K/V heads), four parts without
+  // prefetching were 1.14-1.38x faster than prefetching with one part (4k-64k keys, B = 8 at 4k)
+  // and 1.19-1.30x faster than both (16k). Hence on AMD: software prefetching with one part for
+  // busy GQA groups from memory (the rule above), else the parts as on Intel. (Zen 4 unmeasured
+  // since the parts.)
+  // On Zen 5 (2 threads, KVCache.attend, 32 query heads, head_dim 128, one new token, prefetch x
+  // parts alternating in one process, medians of 5-7 rounds, AVX-512 kernels) four parts cost
+  // everywhere and one prefetched stream is the fastest or within 3% of it from memory: against the
+  // previous rule (four parts; prefetching only for busy 16-bit rows) float32 8 K/V heads 16k-64k
+  // keys 1.39-1.43x, B = 8 at 4k 1.17x, 32 K/V heads 4k-64k 1.11-1.65x, B = 8 at 4k 1.57x; float16
+  // and bfloat16 with 32 K/V heads 4k-64k 1.44-2.12x, B = 8 at 4k 1.37x (with 8 K/V heads the old
+  // rule already chose it). Below the last-level cache (4-16 MiB) prefetching costs (0.72-0.93x
+  // the speed of one part without it, which runs at 0.98-1.36x the old rule; two parts alike); at
+  // 32 MiB (float32, 8 K/V heads at 4k keys or 32 at 1k) it gains 1.46-1.56x over the old rule,
+  // hence "at least the last-level cache". The table is in bench/RESULTS.md (Zen 5).
+  // The AVX2 kernels on the same core measured the same way (one prefetched stream 0.99-2.37x the
+  // old rule, four parts 0.53-1.00x of it), so the rule goes by the core, not the ISA.
+  const int streams = g_decode_streams.load(std::memory_order_relaxed);
+  const bool one_part = cpu_is_amd_zen5_on() || (!cpu_is_intel() && r.prefetch_kv);
+  const int by_rule = one_part ? 1 : a.kv_storage == Storage::same || from_memory ? 4 : 1;
+  r.streams = streams > 0 ? streams : by_rule;
+  // 16-bit K/V read in blocks of 64 keys instead of 32 (decode.inc, decode_block) on Zen 5 where
+  // 4+ query rows share each K/V row: the per-block work (q rows reloaded into registers, the
+  // softmax's reductions) spreads over twice the keys. Zen 5 (2 threads, 32 query heads of 128,
+  // 32 and 64 alternating in one process, medians of 7-9 rounds, float16 and bfloat16): 8 K/V heads
+  // 1k-4k keys 1.10-1.16x, 16k-64k 1.46-1.57x, B = 8 at 4k 1.44-1.45x, 4 K/V heads 16k 1.30x, 4
+  // new tokens per step over 8 and 32 K/V heads 1.23x and 1.10x; with fewer rows per K/V row it
+  // loses from memory (2 rows 0.88-0.96x, one row 0.92-0.98x; 1.06-1.11x from the L3). Other cores
+  // keep 32, measured on Zen 4 before software prefetching (64 and 128 were 35-50% slower there).
+  const int block16 = g_decode_block16.load(std::memory_order_relaxed);
+  const bool long_blocks = cpu_is_amd_zen5_on() && rows_total >= 4;
+  r.block16 = block16 > 0 ? block16 : long_blocks ? 64 : 32;
+  // Interleaved K/V heads (attend_decode): read across the heads everywhere but on Zen 5, where the
+  // chunks, with its decode rule above (one software-prefetched stream), are the faster reading
+  // except for 16-bit K/V with fewer than 4 query rows per K/V row (2 threads, 32 query heads of
+  // 128, one new token, alternating in one process, medians of 7 rounds; across heads / chunks):
+  // float32 0.62-0.92x (8 and 32 K/V heads, 1k-16k keys), 16-bit with 8 K/V heads 0.61-0.80x, but
+  // with 16 or 32 K/V heads 1.26-1.46x from 4k keys on (0.98x at 1k).
+  const int heads_mode = g_decode_heads.load(std::memory_order_relaxed);
+  const bool heads_by_rule = !cpu_is_amd_zen5_on() || (a.kv_storage != Storage::same && rows_total < 4);
+  r.across_heads = heads_mode > 0 || (heads_mode < 0 && heads_by_rule);
+  return r;
+}
+
+// Few query rows per head (decode): lanes along head_dim, all query heads of a GQA group together.
+template <class T>
+void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_threads) {
   AttnArgs<T> a = in;
   const int64_t rows_total = a.group * a.q_len;  // query rows per key/value head
-  {
-    const int64_t llc = last_level_cache_bytes(), l2 = cache_bytes(2);
-    const int64_t kv_bytes = a.batch_heads / a.group * a.kv_len * (a.head_dim + a.value_dim) * a.kv_item_bytes();
-    // Long arithmetic per K/V row (AMD): 4+ query rows share each row, and it is 16-bit or float32 in
-    // 256-bit vectors (8 float32 lanes). Where fewer rows share it, the four parts below replace
-    // software prefetching instead of adding to it (measured on Zen 3 since the parts, below).
-    const bool busy_rows =
-        rows_total >= 4 && (a.kv_storage != Storage::same || (sizeof(T) == 4 && ks.lanes <= 8));
-    const bool from_memory = llc > 0 && 2 * kv_bytes >= llc;
-    bool by_size = busy_rows && from_memory;
-    if (cpu_is_intel()) by_size = l2 > 0 && kv_bytes > int64_t(std::max(num_threads, 1)) * l2;
-    if (cpu_is_amd_zen5_on()) by_size = llc > 0 && kv_bytes >= llc;
-    const int mode = g_prefetch.load(std::memory_order_relaxed);
-    a.prefetch_kv = mode < 0 ? by_size : mode == 1;
-    // How many parts of each work item's key range the kernel reads side by side (decode.inc,
-    // decode_blocks): reading one K (or V) stream front to back, a core keeps too few lines in flight
-    // to reach the memory's bandwidth. Measured on a Sapphire Rapids-class Xeon VM (2 threads,
-    // KVCache.attend, 32 query heads, head_dim 128, one stream / two / four alternating in one
-    // process, medians of 9-15 rounds): float32 K/V from memory (128 MiB-2 GiB) 1.11-1.21x /
-    // 1.15-1.28x faster, held in the L3 (16-32 MiB) 0.97-1.07x / 0.98-1.07x, cold (the caches evicted
-    // before each call, as a model's other layers do) 32 MiB 1.14-1.18x / 1.27-1.31x; 16-bit K/V from
-    // memory (64-512 MiB) 1.08-1.21x / 1.15-1.32x, cold 4-64 MiB 1.03-1.26x / 1.03-1.34x, but held in
-    // the L3 (4-32 MiB) 0.93-1.00x / 0.90-0.96x, where arithmetic bounds the step (conversions, four
-    // query rows per K/V row) and more streams only cost. Hence four parts, for 16-bit K/V from half
-    // the last-level cache on (the AMD prefetch rule's "from memory", above).
-    // On AMD (a Zen 3 VM, AVX2: 2 threads, the same calls, medians of 31 rounds, two runs) the parts
-    // and software prefetching do not add up: with both, a step was slower than with either alone.
-    // Where 4 query rows share each K/V row (8 K/V heads; 4k-64k keys and B = 8 at 4k), prefetching
-    // with one part was 0.98-1.18x as fast as both together (mostly 1.05-1.16x), and four parts
-    // without prefetching about as fast as prefetching with one (0.90-1.15x of it, the geometric
-    // mean ~0.98x); with one query row per 16-bit K/V row (32 K/V heads), four parts without
-    // prefetching were 1.14-1.38x faster than prefetching with one part (4k-64k keys, B = 8 at 4k)
-    // and 1.19-1.30x faster than both (16k). Hence on AMD: software prefetching with one part for
-    // busy GQA groups from memory (the rule above), else the parts as on Intel. (Zen 4 unmeasured
-    // since the parts.)
-    // On Zen 5 (2 threads, KVCache.attend, 32 query heads, head_dim 128, one new token, prefetch x
-    // parts alternating in one process, medians of 5-7 rounds, AVX-512 kernels) four parts cost
-    // everywhere and one prefetched stream is the fastest or within 3% of it from memory: against the
-    // previous rule (four parts; prefetching only for busy 16-bit rows) float32 8 K/V heads 16k-64k
-    // keys 1.39-1.43x, B = 8 at 4k 1.17x, 32 K/V heads 4k-64k 1.11-1.65x, B = 8 at 4k 1.57x; float16
-    // and bfloat16 with 32 K/V heads 4k-64k 1.44-2.12x, B = 8 at 4k 1.37x (with 8 K/V heads the old
-    // rule already chose it). Below the last-level cache (4-16 MiB) prefetching costs (0.72-0.93x
-    // the speed of one part without it, which runs at 0.98-1.36x the old rule; two parts alike); at
-    // 32 MiB (float32, 8 K/V heads at 4k keys or 32 at 1k) it gains 1.46-1.56x over the old rule,
-    // hence "at least the last-level cache". The table is in bench/RESULTS.md (Zen 5).
-    // The AVX2 kernels on the same core measured the same way (one prefetched stream 0.99-2.37x the
-    // old rule, four parts 0.53-1.00x of it), so the rule goes by the core, not the ISA.
-    const int streams = g_decode_streams.load(std::memory_order_relaxed);
-    const bool one_part = cpu_is_amd_zen5_on() || (!cpu_is_intel() && a.prefetch_kv);
-    const int by_rule = one_part ? 1 : a.kv_storage == Storage::same || from_memory ? 4 : 1;
-    a.decode_streams = streams > 0 ? streams : by_rule;
-    // 16-bit K/V read in blocks of 64 keys instead of 32 (decode.inc, decode_block) on Zen 5 where
-    // 4+ query rows share each K/V row: the per-block work (q rows reloaded into registers, the
-    // softmax's reductions) spreads over twice the keys. Zen 5 (2 threads, 32 query heads of 128,
-    // 32 and 64 alternating in one process, medians of 7-9 rounds, float16 and bfloat16): 8 K/V heads
-    // 1k-4k keys 1.10-1.16x, 16k-64k 1.46-1.57x, B = 8 at 4k 1.44-1.45x, 4 K/V heads 16k 1.30x, 4
-    // new tokens per step over 8 and 32 K/V heads 1.23x and 1.10x; with fewer rows per K/V row it
-    // loses from memory (2 rows 0.88-0.96x, one row 0.92-0.98x; 1.06-1.11x from the L3). Other cores
-    // keep 32, measured on Zen 4 before software prefetching (64 and 128 were 35-50% slower there).
-    const int block16 = g_decode_block16.load(std::memory_order_relaxed);
-    const bool long_blocks = cpu_is_amd_zen5_on() && rows_total >= 4;
-    a.decode_block16 = block16 > 0 ? block16 : long_blocks ? 64 : 32;
-  }
+  const DecodeRules rules = decode_rules(a, ks, num_threads);
+  a.prefetch_kv = rules.prefetch_kv;
+  a.decode_streams = rules.streams;
+  a.decode_block16 = rules.block16;
   const int64_t group = a.group;
   const int64_t kv_heads = a.num_heads / group;  // key/value heads per batch entry
   const int64_t kv_groups = a.batch_heads / group;
@@ -454,19 +484,11 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
   // of heads stored first, 16384 keys 0.45-0.47 -> 0.69-0.72x, B = 4 at 4096 0.43-0.56 ->
   // 0.58-0.72x, 8 K/V heads at 4096 0.49-0.64 -> 0.63-0.66x; chunks of 32, 64 and 256 keys measured
   // 0.58-0.72x). At most kMaxInterleavedChunks chunks per head, so the partial states stay small.
-  // On Zen 5 the chunks, with its decode rule above (one software-prefetched stream), are the faster
-  // reading except for 16-bit K/V with fewer than 4 query rows per K/V row (2 threads, 32 query
-  // heads of 128, one new token, alternating in one process, medians of 7 rounds; across heads /
-  // chunks): float32 0.62-0.92x (8 and 32 K/V heads, 1k-16k keys), 16-bit with 8 K/V heads
-  // 0.61-0.80x, but with 16 or 32 K/V heads 1.26-1.46x from 4k keys on (0.98x at 1k), hence the
-  // rule below there.
+  // Which of the two a core reads by is decode_rules' across_heads (on Zen 5 mostly the chunks).
   constexpr int64_t kInterleavedChunk = 128, kMaxInterleavedChunks = 256;
   const bool interleaved = kv_heads_interleave(a);
-  const int heads_mode = g_decode_heads.load(std::memory_order_relaxed);
   const bool whole_vectors = ks.decode_padded(a.head_dim) == a.head_dim && ks.decode_padded(a.value_dim) == a.value_dim;
-  const bool heads_by_rule = !cpu_is_amd_zen5_on() || (a.kv_storage != Storage::same && rows_total < 4);
-  const bool across_heads = heads_mode > 0 || (heads_mode < 0 && heads_by_rule);
-  if (interleaved && row_chunks == 1 && whole_vectors && across_heads) return attend_decode_heads(a, ks, num_threads);
+  if (interleaved && row_chunks == 1 && whole_vectors && rules.across_heads) return attend_decode_heads(a, ks, num_threads);
   Split split = split_keys(tasks, a.kv_len, ks.decode_block, kDecodeMinChunk);
   if (interleaved && a.kv_len > kInterleavedChunk) {
     const int64_t chunk = std::max(kInterleavedChunk, ceil_div(a.kv_len, kMaxInterleavedChunks));
