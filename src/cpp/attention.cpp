@@ -456,10 +456,6 @@ DecodeRules decode_rules(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_t
   return r;
 }
 
-// Tags of attend_decode's per-thread scratch and partial states (grow_only_scratch).
-struct DecodeScratch;
-struct DecodePartials;
-
 // Few query rows per head (decode): lanes along head_dim, all query heads of a GQA group together.
 template <class T>
 void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_threads) {
@@ -509,8 +505,9 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
   const size_t sstate = state_elems<T>(chunk_rows, vdim_p);
   const size_t scratch_elems = padded(size_t(ks.decode_scratch(chunk_rows, a.head_dim, a.value_dim)), sizeof(T));
   const size_t per_thread = scratch_elems + (split.count > 1 ? 0 : sstate);
-  T* const scratch = grow_only_scratch<DecodeScratch, T>(per_thread * size_t(threads));
-  T* const partials = split.count > 1 ? grow_only_scratch<DecodePartials, T>(sstate * size_t(items)) : nullptr;
+  AlignedBuffer<T> scratch(per_thread * size_t(threads));
+  std::unique_ptr<AlignedBuffer<T>> partials;
+  if (split.count > 1) partials.reset(new AlignedBuffer<T>(sstate * size_t(items)));
   auto carve = [&](T* base) { return state_at(base, chunk_rows, vdim_p); };
   auto tile_of = [&](int64_t task) {
     const int64_t kvg = task / row_chunks, rc = task % row_chunks;
@@ -528,13 +525,13 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
     // Item n is chunk n % split.count of task n / split.count; interleaved heads claim them chunk
     // by chunk (all tasks' first chunks, then their second ones, ...).
     const int64_t n = interleaved ? claimed % tasks * split.count + claimed / tasks : claimed;
-    T* mine = scratch + per_thread * size_t(thread_id());
+    T* mine = scratch.data() + per_thread * size_t(thread_id());
     DecodeTile t = tile_of(n / split.count);
     if (split.count > 1) {
       const int64_t c = n % split.count;
       t.j_begin = c * split.chunk;
       t.j_end = std::min(a.kv_len, t.j_begin + split.chunk);
-      ks.decode(a, t, group, mine, carve(partials + sstate * size_t(n)));
+      ks.decode(a, t, group, mine, carve(partials->data() + sstate * size_t(n)));
       return;
     }
     const RowState<T> st = carve(mine + scratch_elems);
@@ -544,7 +541,7 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
   if (split.count > 1) {
     parallel_for(tasks, threads, [&](int64_t task) {
       const DecodeTile t = tile_of(task);
-      merge_partials<T>(split.count, [&](int64_t c) { return carve(partials + sstate * size_t(task * split.count + c)); },
+      merge_partials<T>(split.count, [&](int64_t c) { return carve(partials->data() + sstate * size_t(task * split.count + c)); },
                         lay, t.rows, a.value_dim, out_row_of(t));
     });
   }
