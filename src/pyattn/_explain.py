@@ -26,6 +26,7 @@ import numpy as np
 
 from ._api import _as_numpy
 from ._explain_render import plot_heatmaps, render_text
+from ._mha import _check_batch_first
 
 __all__ = ["Explanation", "HeadSteps", "explain", "main", "plot_heatmaps", "render_text"]
 
@@ -321,8 +322,7 @@ def explain(
         raise ValueError("num_heads: required for a dict of weights without a 'num_heads' entry")
     if layer_heads is not None and layer_heads != num_heads:
         raise ValueError(f"num_heads: {num_heads} differs from the layer's {layer_heads}")
-    if type(batch_first) is not bool:
-        raise TypeError(f"batch_first: expected True or False, got {batch_first!r}")
+    _check_batch_first(batch_first)
     x = _as_float64(x, "x")
     if x.ndim == 3 and not batch_first:
         x = x.swapaxes(0, 1)
