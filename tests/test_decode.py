@@ -23,6 +23,7 @@ Tolerances: float32/float64 use conftest.TOL; the 16-bit ones live in HALF_TOL b
 """
 
 import copy
+import itertools
 
 import numpy as np
 import pytest
@@ -1168,6 +1169,12 @@ def prefetch(mode):
     return core_setting(pyattn._core._set_prefetch, mode)
 
 
+def prefetch_level(level):
+    """Where the decode kernel's prefetches put K/V rows: 1 L1 (8 KiB ahead), 2 L2 (16 KiB ahead), -1
+    (the default) by rule (L1 on Zen 5 except for 16-bit rows that 4+ query rows share, else L2)."""
+    return core_setting(pyattn._core._set_decode_prefetch_level, level)
+
+
 @pytest.mark.parametrize(
     "head_dim, q_heads, kv_heads, q_len, lengths",
     [
@@ -1179,16 +1186,17 @@ def prefetch(mode):
 )
 @pytest.mark.parametrize("name", CACHE_DTYPES)
 def test_decode_prefetch_changes_nothing(isa, rng, name, head_dim, q_heads, kv_heads, q_len, lengths):
-    """The decode kernel's prefetch of K and V rows ahead in their streams is a hint only: forced on it
-    gives the bits it gives off, through a ragged KVCache (each row's range ends at its own length,
-    some shorter than the prefetch distance) and through a split long call whose forbidden keys' rows
-    hold NaN (the prefetches touch them too); both against the reference."""
+    """The decode kernel's prefetch of K and V rows ahead in their streams is a hint only: forced on,
+    into L1 or into L2 (each its own distance), it gives the bits it gives off, through a ragged
+    KVCache (each row's range ends at its own length, some shorter than the prefetch distance) and
+    through a split long call whose forbidden keys' rows hold NaN (the prefetches touch them too);
+    both against the reference."""
     dtype = np_dtype(name)
     cache, q, new = ragged_cache_step(rng, name, lengths, kv_heads, q_heads, head_dim, q_len)
     # The number of parts the range is read in changes the order of the keys, so the default rule (on
     # AMD one part with prefetching, four without) could change bits: each count is pinned.
-    for streams in (1, 4):
-        with decode_streams(streams), prefetch(1):
+    for streams, level in itertools.product((1, 4), (1, 2)):
+        with decode_streams(streams), prefetch(1), prefetch_level(level):
             on = cache.attend(q, num_threads=2)
         with decode_streams(streams), prefetch(0):
             off = cache.attend(q, num_threads=2)
@@ -1197,8 +1205,8 @@ def test_decode_prefetch_changes_nothing(isa, rng, name, head_dim, q_heads, kv_h
 
     # The split path (12 key chunks per task) with NaN rows at forbidden keys.
     q2, k2, v2, mask, clean_k, clean_v = long_kv_inputs(rng, dtype, min(q_len, DECODE_MAX), head_dim=head_dim)
-    for streams in (1, 4):
-        with decode_streams(streams), prefetch(1):
+    for streams, level in itertools.product((1, 4), (1, 2)):
+        with decode_streams(streams), prefetch(1), prefetch_level(level):
             on = sdpa(q2, k2, v2, mask, is_causal="lower_right", enable_gqa=True)
         with decode_streams(streams), prefetch(0):
             off = sdpa(q2, k2, v2, mask, is_causal="lower_right", enable_gqa=True)

@@ -38,8 +38,8 @@ for isa in avx2 avx512; do
   fi
   # Odd sizes: a query block's remainder rows, key counts off every tile and block width, head_dim
   # off the lane count, causal; GEMM rows off the register tile, columns off the panel; decode
-  # groups of 1-4 rows, each storage, prefetching on and off, the key range as one part and as four
-  # (1001 keys: four parts of 250 and one key left over, read as a stream of its own).
+  # groups of 1-4 rows, each storage, prefetching off, into L2 and into L1, the key range as one part
+  # and as four (1001 keys: four parts of 250 and one key left over, read as a stream of its own).
   "$out/tile_$isa" 200 300 72 0.1
   "$out/tile_$isa" 67 259 33 0.1 1
   "$out/tile_$isa" 5 17 1 0.1
@@ -49,6 +49,7 @@ for isa in avx2 avx512; do
     "$out/decode_$isa" $storage 4 1000 3
     "$out/decode_$isa" $storage 2 1001 3 1 4
     "$out/decode_$isa" $storage 3 77 3 1
+    "$out/decode_$isa" $storage 4 301 3 2
     "$out/decode_$isa" $storage 1 5 2
   done
 done

@@ -20,8 +20,9 @@
 // Two cores streaming from memory (K/V of 100+ MiB each), timed together:
 //   t=$(($(date +%s) + 3)); for i in 1 2; do HARNESS_START=$t /tmp/dh f16 4 262144 200 & done; wait
 // STORAGE: f32, f16 or bf16 (K/V storage; compute is float32); ROWS: query rows per key/value
-// head (the GQA group times the new tokens); PREFETCH 1: the kernel's software prefetch on
-// (AttnArgs::prefetch_kv, which the driver sets when K/V come from memory); STREAMS 1, 2 or 4: parts
+// head (the GQA group times the new tokens); PREFETCH 1: the kernel's software prefetch on, into L2
+// (AttnArgs::prefetch_kv, which the driver sets when K/V come from memory), 2: on, into L1
+// (AttnArgs::prefetch_to_l1, the driver's choice on Zen 5); STREAMS 1, 2 or 4: parts
 // of the key range read side by side (AttnArgs::decode_streams, default 1; the driver's rule in
 // attend_decode); head_dim = value_dim = 128, q_len 1, no mask.
 //
@@ -129,6 +130,7 @@ int main(int argc, char** argv) {
   a.scale = 1.0 / std::sqrt(double(head_dim));
   a.kv_storage = storage;
   a.prefetch_kv = argc >= 6 && std::atoi(argv[5]) != 0;  // what the driver sets for K/V from memory
+  a.prefetch_to_l1 = argc >= 6 && std::atoi(argv[5]) == 2;
   a.decode_streams = argc == 7 ? std::atoi(argv[6]) : 1;
 
   const DecodeTile tile{0, 0, 0, rows, 0, kv_len};
@@ -186,7 +188,7 @@ int main(int argc, char** argv) {
   auto per_row = [&](double q) { return harness::quantile(seconds, q) / double(kv_len) * 1e9; };
   std::printf("%s %s rows %lld kv_len %lld prefetch %d streams %d: ns per key row min %.2f p25 %.2f median %.2f (out[0][0] = %.6g)\n",
               PYATTN_ISA_NAME, storage_name.c_str(), static_cast<long long>(rows), static_cast<long long>(kv_len),
-              int(a.prefetch_kv), a.decode_streams,
+              int(a.prefetch_kv) + int(a.prefetch_kv && a.prefetch_to_l1), a.decode_streams,
               per_row(0), per_row(0.25), per_row(0.5),
               double(acc.data[0] / l.data[0]));
   return 0;

@@ -64,6 +64,7 @@ std::atomic<int64_t> g_packed_mask_limit{kMaxPackedMaskBytes};
 std::atomic<int> g_prefetch{-1};  // set_prefetch: -1 by cache sizes, 0 never, 1 K/V rows, 2 next items
 std::atomic<int> g_decode_streams{-1};  // set_decode_streams: -1 by storage and size, else 1, 2 or 4
 std::atomic<int> g_decode_block16{-1};  // set_decode_block16: -1 by rule, else 32 or 64
+std::atomic<int> g_decode_prefetch_level{-1};  // set_decode_prefetch_level: -1 by rule, else 1 or 2
 std::atomic<int> g_group_tiles{1};  // set_group_tiles: 1 GQA groups' heads together, 0 head by head
 std::atomic<int> g_pack_heads{-1};  // set_pack_heads: -1 by sizes, 0 never, 1 whenever K/V heads interleave
 std::atomic<int> g_decode_heads{-1};  // set_decode_heads: -1 by rule where K/V heads interleave, 0 never, 1 always
@@ -334,12 +335,14 @@ void attend_decode_heads(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_t
 }
 
 // How the decode kernel reads K and V on this core, for one call (attend_decode): software
-// prefetching, the parts of a work item read side by side, the 16-bit block length, and whether K/V
-// heads that interleave in memory are read across the heads. Each is a rule measured per core, as
-// said at each; the _core._set_* switches (g_prefetch, g_decode_streams, g_decode_block16,
-// g_decode_heads) force them for tests. One function, so that the cores' rules read side by side.
+// prefetching and the cache level it fills, the parts of a work item read side by side, the 16-bit
+// block length, and whether K/V heads that interleave in memory are read across the heads. Each is a
+// rule measured per core, as said at each; the _core._set_* switches (g_prefetch,
+// g_decode_prefetch_level, g_decode_streams, g_decode_block16, g_decode_heads) force them for tests.
+// One function, so that the cores' rules read side by side.
 struct DecodeRules {
   bool prefetch_kv;
+  bool prefetch_to_l1;
   int streams;
   int block16;
   bool across_heads;
@@ -396,6 +399,16 @@ DecodeRules decode_rules(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_t
   if (cpu_is_amd_zen5_on()) by_size = llc > 0 && kv_bytes >= llc;
   const int mode = g_prefetch.load(std::memory_order_relaxed);
   r.prefetch_kv = mode < 0 ? by_size : mode == 1;
+  // Where the prefetches go (decode.inc, kPrefetchAheadL1Bytes): into L1 on Zen 5, except for 16-bit
+  // rows that 4+ query rows share; into L2 elsewhere (the other cores were measured with L2 only).
+  // Zen 5 (KVCache.attend, 2 threads, 32 query heads of 128, one new token, L1 / L2 alternating in
+  // one process, medians of 7 rounds; L2 time / L1 time): float32 8 K/V heads 4k-64k keys 1.01x,
+  // 1.12x, 1.09x, B = 8 at 4k 1.06x, 32 K/V heads 4k-64k 1.24x, 1.15x, 1.03x, B = 8 at 4k 1.03x;
+  // 16-bit with 32 K/V heads float16 16k 1.16x, 64k 1.06x, bfloat16 16k 1.08x, B = 8 at 4k 1.09x;
+  // but 16-bit with 8 K/V heads float16 16k 0.84x, bfloat16 64k 0.995x: those stay in L2.
+  const int level = g_decode_prefetch_level.load(std::memory_order_relaxed);
+  const bool busy_16_bit = a.kv_storage != Storage::same && rows_total >= 4;
+  r.prefetch_to_l1 = level > 0 ? level == 1 : cpu_is_amd_zen5_on() && !busy_16_bit;
   // How many parts of each work item's key range the kernel reads side by side (decode.inc,
   // decode_blocks): reading one K (or V) stream front to back, a core keeps too few lines in flight
   // to reach the memory's bandwidth. Measured on a Sapphire Rapids-class Xeon VM (2 threads,
@@ -463,6 +476,7 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
   const int64_t rows_total = a.group * a.q_len;  // query rows per key/value head
   const DecodeRules rules = decode_rules(a, ks, num_threads);
   a.prefetch_kv = rules.prefetch_kv;
+  a.prefetch_to_l1 = rules.prefetch_to_l1;
   a.decode_streams = rules.streams;
   a.decode_block16 = rules.block16;
   const int64_t group = a.group;
@@ -877,6 +891,9 @@ int set_group_tiles(int on) { return g_group_tiles.exchange(on ? 1 : 0); }
 int set_pack_heads(int mode) { return g_pack_heads.exchange(mode < 0 ? -1 : (mode > 0 ? 1 : 0)); }
 int set_decode_heads(int mode) { return g_decode_heads.exchange(mode < 0 ? -1 : mode > 0 ? 1 : 0); }
 int set_decode_block16(int keys) { return g_decode_block16.exchange(keys < 0 ? -1 : keys >= 64 ? 64 : 32); }
+int set_decode_prefetch_level(int level) {
+  return g_decode_prefetch_level.exchange(level < 0 ? -1 : level <= 1 ? 1 : 2);
+}
 int set_decode_streams(int streams) {
   return g_decode_streams.exchange(streams < 0 ? -1 : streams >= 4 ? 4 : streams >= 2 ? 2 : 1);
 }

@@ -107,6 +107,9 @@ struct AttnArgs {
   // Set by the driver when K and V will come from memory rather than from caches (see attention.cpp):
   // the tiles then prefetch the rows they read next, the decode kernel the rows 16 KiB ahead.
   bool prefetch_kv = false;
+  // Where the decode kernel prefetches K/V rows to: L1 (prefetch_l1_once, 8 KiB ahead in each
+  // stream) or L2 (prefetch_l2, 16 KiB ahead); set by the driver (decode_rules).
+  bool prefetch_to_l1 = false;
   // How many parts of a work item's key range the decode kernel reads side by side, row by row in
   // turn: 1, 2 or 4 (decode.inc, decode_blocks); set by the driver (attend_decode).
   int decode_streams = 1;
@@ -153,6 +156,20 @@ inline void prefetch_l2(const void* p) {
   asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
 #else
   __builtin_prefetch(p, 0, 2);
+#endif
+}
+
+// Prefetches the cache line at p close to the core, marked as data read once (prefetchnta: AMD's
+// optimisation guides place it in L1 and keep it out of L2 when it came from memory; the AMD64
+// manual leaves how it limits cache pollution to each core). For rows the caller reads once, soon
+// (the decode kernel's K/V streams; see decode.inc, Ahead).
+inline void prefetch_l1_once(const void* p) {
+#if defined(_MSC_VER) && !defined(__clang__)
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_NTA);
+#elif defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetchnta %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 0, 0);
 #endif
 }
 
@@ -384,6 +401,10 @@ int set_decode_streams(int streams);
 // Keys per block of the decode kernel for 16-bit K/V: -1 decided per call (attend_decode, the
 // default), or 32 or 64 always (tests and measurements). Returns the previous setting.
 int set_decode_block16(int keys);
+// Where the decode kernel's software prefetches put K/V rows, when it prefetches: -1 decided per call
+// (decode_rules, the default), 1 L1 or 2 L2 always (tests and measurements). Returns the previous
+// setting.
+int set_decode_prefetch_level(int level);
 bool openmp_enabled();
 const char* openmp_runtime();
 
