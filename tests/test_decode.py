@@ -1068,18 +1068,21 @@ def test_half_sdpa_out_weights_and_dtype_errors(rng, name, q_len):
 # --- the decode path's key-range split, forbidden NaN keys, threads --------------------------------
 
 
-def long_kv_inputs(rng, dtype, q_len, kv_len=3000, heads=4, kv_heads=2, head_dim=32):
-    """Inputs for the split decode path: 2 (batch, kv head) tasks and 3000 keys, i.e. 12 key chunks
-    merged per task. The bool mask (True = attend) forbids some keys for every query (their K and V
-    rows are NaN), a run of whole key chunks (300:1400), random other (query, key) pairs, and every key
-    of head 1 (whose rows must be zeros). Returns q, k, v, mask and NaN-free float64 K/V for the
-    reference (zeros at the NaN rows, which no query may see)."""
-    q, k, v = make_qkv(rng, dtype, batch=(1,), q_heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
+def long_kv_inputs(rng, dtype, q_len, kv_len=3000, heads=4, kv_heads=2, head_dim=32, batch=1, hole=(300, 1400),
+                   per_head=True):
+    """Inputs for the split decode path (by default 2 (batch, kv head) tasks and 3000 keys, i.e. 12
+    key chunks merged per task). The bool mask (True = attend) forbids some keys for every query
+    (their K and V rows are NaN), a run of keys (hole; by default whole key chunks), and random other
+    (query, key) pairs; per_head: a mask per head, forbidding every key of head 1 (whose rows must be
+    zeros), else one broadcast over the heads. Returns q, k, v, mask and NaN-free float64 K/V for
+    the reference (zeros at the NaN rows, which no query may see)."""
+    q, k, v = make_qkv(rng, dtype, batch=(batch,), q_heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
                        head_dim=head_dim, guard=False)
     key_ok = rng.random(kv_len) < 0.8
-    key_ok[300:1400] = False
-    mask = key_ok & (rng.random((1, heads, q_len, kv_len)) < 0.9)
-    mask[:, 1] = False
+    key_ok[hole[0]:hole[1]] = False
+    mask = key_ok & (rng.random((batch, heads if per_head else 1, q_len, kv_len)) < 0.9)
+    if per_head:
+        mask[:, 1] = False
     clean_k, clean_v = f64(k), f64(v)
     for x, clean in ((k, clean_k), (v, clean_v)):
         x[..., ~key_ok, :] = np.nan
@@ -1242,24 +1245,14 @@ def test_decode_streams_same_keys_in_another_order(isa, rng, name, streams, head
         got = cache.attend(q, num_threads=2)
     assert_cache_step_close(got, cache, q, new, name)
 
-    kv_len = 1100
-    q2, k2, v2 = make_qkv(rng, dtype, batch=(batch,), q_heads=q_heads, kv_heads=kv_heads, q_len=2, kv_len=kv_len,
-                          head_dim=head_dim, guard=False)
-    key_ok = rng.random(kv_len) < 0.8
-    key_ok[600:700] = False
-    mask = key_ok & (rng.random((batch, 1, 2, kv_len)) < 0.9)
-    clean_k, clean_v = f64(k2), f64(v2)
-    for x, clean in ((k2, clean_k), (v2, clean_v)):
-        x[..., ~key_ok, :] = np.nan
-        clean[..., ~key_ok, :] = 0.0
+    q2, k2, v2, mask, clean_k, clean_v = long_kv_inputs(rng, dtype, 2, kv_len=1100, heads=q_heads, kv_heads=kv_heads,
+                                                        head_dim=head_dim, batch=batch, hole=(600, 700), per_head=False)
     with decode_streams(streams):
         got = sdpa(q2, k2, v2, mask, is_causal="lower_right", enable_gqa=True)
     assert np.isfinite(f64(got)).all()
     expected = reference.scaled_dot_product_attention(f64(q2), clean_k, clean_v, mask, is_causal="lower_right",
                                                       enable_gqa=True)
     assert_result_close(got, expected, name)
-
-
 
 
 def decode_block16(keys):
