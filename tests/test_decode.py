@@ -518,17 +518,35 @@ def kv(rng, batch, heads, chunk, dim, dtype=np.float32):
     return rng.standard_normal((batch, heads, chunk, dim)).astype(dtype)
 
 
+def is_zen5():
+    return pyattn.runtime_info()["cpu_vendor"] == "AuthenticAMD" and pyattn._core.cpu_family() >= 0x1A
+
+
 @pytest.mark.parametrize("name", CACHE_DTYPES)
 def test_cache_storage_placement(name):
     # A decode step streams a float32/float64 cache with 64-byte vector loads: its storage starts on a
     # cache line (NumPy puts large arrays 16 bytes past a page, which splits every load). 16-bit
-    # storage starts 16 bytes past one, which measured faster from L3 and memory.
+    # storage starts 16 bytes past one, which measured faster from L3 and memory, except bfloat16 on
+    # Zen 5 (AMD, CPUID family 1Ah), on a line there.
     dtype = np_dtype(name)
-    start = 16 if dtype.itemsize == 2 else 0
+    start = 16 if dtype.itemsize == 2 and not (name == "bfloat16" and is_zen5()) else 0
     for max_len in (3, 1000, 70000):
         cache = pyattn.KVCache(2, 3, 40, max_len, value_dim=24, dtype=name)
         assert cache.keys(0).ctypes.data % 64 == start and cache.values(0).ctypes.data % 64 == start
         assert cache.keys(0).base is not None  # still views of the storage, not copies
+
+
+@pytest.mark.parametrize("aligned", [False, True], ids=["16_bytes_past_a_line", "on_a_line"])
+def test_bfloat16_cache_either_placement(isa, rng, monkeypatch, aligned):
+    """A bfloat16 cache's storage starts where the CPU reads it fastest (on a line on Zen 5, 16 bytes
+    past one elsewhere): a decode step over either placement (GQA and one row per K/V row, ragged
+    lengths, 3 new tokens, head_dim with and without a tail) matches the reference, so each CPU
+    also tests the placement the others take."""
+    monkeypatch.setattr(pyattn._cache, "_BFLOAT16_ALIGNED", aligned)
+    for kv_heads, head_dim in ((2, 128), (8, 40)):
+        cache, q, new = ragged_cache_step(rng, "bfloat16", [700, 301, 3], kv_heads, 8, head_dim, q_len=3)
+        assert cache.keys(0).ctypes.data % 64 == (0 if aligned else 16)
+        assert_cache_step_close(cache.attend(q, num_threads=2), cache, q, new, "bfloat16")
 
 
 @pytest.mark.parametrize("name", CACHE_DTYPES)

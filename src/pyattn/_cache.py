@@ -48,15 +48,29 @@ def _storage_dtype(dtype):
 # rows are read two vectors per load (Load<T, BHalf> in decode.inc), which that offset splits: with
 # K/V in L2 an aligned start was 1.02-1.06x faster (Zen 3, AVX2), but from L3 and memory 0.93-0.98x
 # (storage offsets alternating in one process, 8 KV heads, 4k-16k tokens), so bfloat16 keeps the
-# offset too.
+# offset too, except on Zen 5 (below).
 _START = {2: 16, 4: 0, 8: 0}
+# On Zen 5 (AMD, CPUID family 1Ah: the decode kernel's rules for that core, attention.cpp
+# decode_rules) bfloat16 storage starts on a line: one decode step (2 threads, 32 query heads of 128,
+# the same values in both layouts alternating in one process, medians of 7 and 11 rounds) took
+# 16-byte offset / aligned 1.09-1.11x with 32 K/V heads at 4k tokens, 1.05x at 16k, 1.12x at 64k,
+# 1.09-1.12x for B = 8 at 4k, 1.04-1.09x with 8 K/V heads at 16k, 1.00x at 64k, 1.15x with 32 K/V
+# heads at 1k (held in the L3); float16 measured 0.95-1.10x (medians) and keeps the offset.
+_BFLOAT16_ALIGNED = _core.cpu_vendor() == "AuthenticAMD" and _core.cpu_family() >= 0x1A
+
+
+def _storage_start(dtype):
+    """Bytes past a cache line where K/V storage of this dtype starts (_START, _BFLOAT16_ALIGNED)."""
+    if _BFLOAT16_ALIGNED and dtype.name == "bfloat16":
+        return 0
+    return _START[dtype.itemsize]
 
 
 def _storage_zeros(shape, dtype):
-    """Zero-filled (shape, dtype) storage that starts _START[itemsize] bytes past a cache line (a
+    """Zero-filled (shape, dtype) storage that starts _storage_start(dtype) bytes past a cache line (a
     view into a slightly larger uint8 buffer)."""
     raw = np.zeros(math.prod(shape) * dtype.itemsize + 2 * _LINE, np.uint8)
-    start = -raw.ctypes.data % _LINE + _START[dtype.itemsize]
+    start = -raw.ctypes.data % _LINE + _storage_start(dtype)
     return raw[start:start + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
 
 
