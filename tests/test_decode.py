@@ -1317,7 +1317,7 @@ def test_decode_16_bit_block_by_default(isa, rng, kv_heads, q_len, keys):
     4+ query rows share each K/V row (32 query heads over 8 K/V heads, or 4 new tokens over 32), 32
     with fewer and on every other CPU. The block sets where the softmax's running maximum moves, so
     the default call's bits show which one it took."""
-    if not (pyattn.runtime_info()["cpu_vendor"] == "AuthenticAMD" and pyattn._core.cpu_family() >= 0x1A):
+    if not is_zen5():
         keys = 32
     lengths = [3000]
     cache, q, new = ragged_cache_step(rng, "float16", lengths, kv_heads, 32, 128, q_len)

@@ -91,11 +91,15 @@ bool cpu_is_amd() {
   static const bool amd = std::strcmp(cpu_vendor(), "AuthenticAMD") == 0;
   return amd;
 }
+}  // namespace
+
 // AMD's family 1Ah (Zen 5) and later, whose decode rule was measured apart from Zen 3/4's (family 19h).
 bool cpu_is_amd_zen5_on() {
   static const bool zen5 = cpu_is_amd() && cpu_family() >= 0x1A;
   return zen5;
 }
+
+namespace {
 
 size_t padded(size_t elems, size_t elem_size) {
   const size_t per_line = kAlign / elem_size;
@@ -352,6 +356,8 @@ template <class T>
 DecodeRules decode_rules(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_threads) {
   DecodeRules r{};
   const int64_t rows_total = a.group * a.q_len;  // query rows per key/value head
+  // The two things the rules below go by besides sizes: 16-bit K/V, and 4+ query rows per K/V row.
+  const bool half_kv = a.kv_storage != Storage::same, four_rows = rows_total >= 4;
   // Software prefetching of the K and V streams, 16 KiB ahead in each (decode.inc, Ahead), where the
   // hardware prefetchers alone leave the cores waiting. The need differs between the two x86 cores
   // it was measured on (2 threads, KVCache.attend, 32 query heads, head_dim 128, prefetch off / on
@@ -391,8 +397,7 @@ DecodeRules decode_rules(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_t
   // Long arithmetic per K/V row (AMD): 4+ query rows share each row, and it is 16-bit or float32 in
   // 256-bit vectors (8 float32 lanes). Where fewer rows share it, the four parts below replace
   // software prefetching instead of adding to it (measured on Zen 3 since the parts, below).
-  const bool busy_rows =
-      rows_total >= 4 && (a.kv_storage != Storage::same || (sizeof(T) == 4 && ks.lanes <= 8));
+  const bool busy_rows = four_rows && (half_kv || (sizeof(T) == 4 && ks.lanes <= 8));
   const bool from_memory = llc > 0 && 2 * kv_bytes >= llc;
   bool by_size = busy_rows && from_memory;
   if (cpu_is_intel()) by_size = l2 > 0 && kv_bytes > int64_t(std::max(num_threads, 1)) * l2;
@@ -407,8 +412,7 @@ DecodeRules decode_rules(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_t
   // 16-bit with 32 K/V heads float16 16k 1.16x, 64k 1.06x, bfloat16 16k 1.08x, B = 8 at 4k 1.09x;
   // but 16-bit with 8 K/V heads float16 16k 0.84x, bfloat16 64k 0.995x: those stay in L2.
   const int level = g_decode_prefetch_level.load(std::memory_order_relaxed);
-  const bool busy_16_bit = a.kv_storage != Storage::same && rows_total >= 4;
-  r.prefetch_to_l1 = level > 0 ? level == 1 : cpu_is_amd_zen5_on() && !busy_16_bit;
+  r.prefetch_to_l1 = level > 0 ? level == 1 : cpu_is_amd_zen5_on() && !(half_kv && four_rows);
   // How many parts of each work item's key range the kernel reads side by side (decode.inc,
   // decode_blocks): reading one K (or V) stream front to back, a core keeps too few lines in flight
   // to reach the memory's bandwidth. Measured on a Sapphire Rapids-class Xeon VM (2 threads,
@@ -444,7 +448,7 @@ DecodeRules decode_rules(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_t
   // old rule, four parts 0.53-1.00x of it), so the rule goes by the core, not the ISA.
   const int streams = g_decode_streams.load(std::memory_order_relaxed);
   const bool one_part = cpu_is_amd_zen5_on() || (!cpu_is_intel() && r.prefetch_kv);
-  const int by_rule = one_part ? 1 : a.kv_storage == Storage::same || from_memory ? 4 : 1;
+  const int by_rule = one_part ? 1 : !half_kv || from_memory ? 4 : 1;
   r.streams = streams > 0 ? streams : by_rule;
   // 16-bit K/V read in blocks of 64 keys instead of 32 (decode.inc, decode_block) on Zen 5 where
   // 4+ query rows share each K/V row: the per-block work (q rows reloaded into registers, the
@@ -455,7 +459,7 @@ DecodeRules decode_rules(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_t
   // loses from memory (2 rows 0.88-0.96x, one row 0.92-0.98x; 1.06-1.11x from the L3). Other cores
   // keep 32, measured on Zen 4 before software prefetching (64 and 128 were 35-50% slower there).
   const int block16 = g_decode_block16.load(std::memory_order_relaxed);
-  const bool long_blocks = cpu_is_amd_zen5_on() && rows_total >= 4;
+  const bool long_blocks = cpu_is_amd_zen5_on() && four_rows;
   r.block16 = block16 > 0 ? block16 : long_blocks ? 64 : 32;
   // Interleaved K/V heads (attend_decode): read across the heads everywhere but on Zen 5, where the
   // chunks, with its decode rule above (one software-prefetched stream), are the faster reading
@@ -464,7 +468,7 @@ DecodeRules decode_rules(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_t
   // float32 0.62-0.92x (8 and 32 K/V heads, 1k-16k keys), 16-bit with 8 K/V heads 0.61-0.80x, but
   // with 16 or 32 K/V heads 1.26-1.46x from 4k keys on (0.98x at 1k).
   const int heads_mode = g_decode_heads.load(std::memory_order_relaxed);
-  const bool heads_by_rule = !cpu_is_amd_zen5_on() || (a.kv_storage != Storage::same && rows_total < 4);
+  const bool heads_by_rule = !cpu_is_amd_zen5_on() || (half_kv && !four_rows);
   r.across_heads = heads_mode > 0 || (heads_mode < 0 && heads_by_rule);
   return r;
 }

@@ -356,6 +356,9 @@ int64_t cache_bytes(int level);
 const char* cpu_vendor();
 // CPUID's display family (base + extended: 0x19 for AMD Zen 3/4, 0x1A for Zen 5, 6 for Intel cores), 0 off x86.
 int cpu_family();
+// An AMD core of family 1Ah or later (Zen 5 on), which has per-core rules of its own (attention.cpp
+// decode_rules, the KVCache's bfloat16 placement in _cache.py).
+bool cpu_is_amd_zen5_on();
 bool isa_compiled(const char* name);
 
 // attention.cpp: the driver (task split, scratch, merges; its parallel loops are parallel.h's).

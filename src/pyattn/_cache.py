@@ -56,7 +56,7 @@ _START = {2: 16, 4: 0, 8: 0}
 # 16-byte offset / aligned 1.09-1.11x with 32 K/V heads at 4k tokens, 1.05x at 16k, 1.12x at 64k,
 # 1.09-1.12x for B = 8 at 4k, 1.04-1.09x with 8 K/V heads at 16k, 1.00x at 64k, 1.15x with 32 K/V
 # heads at 1k (held in the L3); float16 measured 0.95-1.10x (medians) and keeps the offset.
-_BFLOAT16_ALIGNED = _core.cpu_vendor() == "AuthenticAMD" and _core.cpu_family() >= 0x1A
+_BFLOAT16_ALIGNED = _core.cpu_is_amd_zen5_on()
 
 
 def _storage_start(dtype):
