@@ -1238,6 +1238,45 @@ def test_decode_prefetch_changes_nothing(isa, rng, name, head_dim, q_heads, kv_h
     assert_result_close(on, expected, name)
 
 
+def decode_fuse(mode):
+    """Whether the decode kernel reads a block's K rows together with the previous block's V rows, key
+    by key (one query row per K/V row, rows of 4 or 8 vectors in the compute type, read in place): 1
+    wherever it can, 0 never, -1 (the default) by rule (on Zen 5)."""
+    return core_setting(pyattn._core._set_decode_fuse, mode)
+
+
+@pytest.mark.parametrize("head_dim", [128, 64, 32, 96, 8])  # 8, 4 vectors (AVX-512 float32); 4 on AVX2; others: never
+@pytest.mark.parametrize("name", CACHE_DTYPES)
+def test_decode_fused_blocks_change_nothing(isa, rng, name, head_dim):
+    """Reading one block's K rows together with the previous block's V rows changes the order of the
+    reads only, not of any sum: fused or not, the bits are the same, through a ragged KVCache with
+    one query row per K/V row (lengths on, around and between the 128-key blocks, a one-key row, and
+    a range read as 1, 2 or 4 parts side by side), and through a split long call whose forbidden
+    keys' rows hold NaN (blocks skipped whole, blocks whose P.V skips them one by one); both against
+    the reference."""
+    dtype = np_dtype(name)
+    lengths = [1000, 640, 385, 384, 256, 129, 128, 1]
+    for streams in (1, 2, 4):
+        cache, q, new = ragged_cache_step(rng, name, lengths, 2, 2, head_dim, q_len=1)
+        with decode_streams(streams), decode_fuse(1):
+            fused = cache.attend(q, num_threads=2)
+        with decode_streams(streams), decode_fuse(0):
+            apart = cache.attend(q, num_threads=2)
+        np.testing.assert_array_equal(f64(fused), f64(apart))
+        assert_cache_step_close(fused, cache, q, new, name)
+
+    q2, k2, v2, mask, clean_k, clean_v = long_kv_inputs(rng, dtype, 1, heads=4, kv_heads=4, head_dim=head_dim)
+    with decode_fuse(1):
+        fused = sdpa(q2, k2, v2, mask)
+    with decode_fuse(0):
+        apart = sdpa(q2, k2, v2, mask)
+    np.testing.assert_array_equal(f64(fused), f64(apart))
+    assert np.isfinite(f64(fused)).all()
+    np.testing.assert_array_equal(f64(fused[:, 1]), 0.0)
+    expected = reference.scaled_dot_product_attention(f64(q2), clean_k, clean_v, mask)
+    assert_result_close(fused, expected, name)
+
+
 def decode_streams(n):
     """How many parts of a work item's keys the decode kernel reads side by side, rows in turn: -1
     (the default) by storage and size, or 1, 2, 4 forced (a part needs a key block of its own: 128

@@ -51,6 +51,7 @@ for isa in avx2 avx512; do
     "$out/decode_$isa" $storage 3 77 3 1
     "$out/decode_$isa" $storage 4 301 3 2
     "$out/decode_$isa" $storage 1 5 2
+    "$out/decode_$isa" $storage 1 1000 3 2 1 1
   done
 done
 echo "check_harnesses: every harness built and agreed with float64"

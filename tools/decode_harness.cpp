@@ -16,7 +16,7 @@
 //
 // Build and run (from the repository root; AVX2: -DHARNESS_AVX2 and drop -mavx512f):
 //   g++ -O3 -std=c++17 -mavx512f -mavx2 -mfma -mf16c -Isrc/cpp tools/decode_harness.cpp -o /tmp/dh
-//   /tmp/dh STORAGE ROWS KV_LEN CALLS [PREFETCH [STREAMS]]   e.g.  /tmp/dh f16 4 512 20000
+//   /tmp/dh STORAGE ROWS KV_LEN CALLS [PREFETCH [STREAMS [FUSE]]]   e.g.  /tmp/dh f16 4 512 20000
 // Two cores streaming from memory (K/V of 100+ MiB each), timed together:
 //   t=$(($(date +%s) + 3)); for i in 1 2; do HARNESS_START=$t /tmp/dh f16 4 262144 200 & done; wait
 // STORAGE: f32, f16 or bf16 (K/V storage; compute is float32); ROWS: query rows per key/value
@@ -24,7 +24,9 @@
 // (AttnArgs::prefetch_kv, which the driver sets when K/V come from memory), 2: on, into L1
 // (AttnArgs::prefetch_to_l1, the driver's choice on Zen 5); STREAMS 1, 2 or 4: parts
 // of the key range read side by side (AttnArgs::decode_streams, default 1; the driver's rule in
-// attend_decode); head_dim = value_dim = 128, q_len 1, no mask.
+// attend_decode); FUSE 1: a block's K rows read with the previous block's V rows where the kernel
+// can (AttnArgs::decode_fuse: one float32 row; AVX-512 only at this head_dim); head_dim = value_dim
+// = 128, q_len 1, no mask.
 //
 // Zen 4 (2026-12-01, a fast spell, AVX-512, one thread, 512 keys), ns per key row, min of 20000
 // calls: 4 rows float32 24.6-25.1, float16 25.3, bfloat16 25.3-28.2; 1 row float32 11.2, 8 rows
@@ -71,8 +73,8 @@ struct Placed {
 
 int main(int argc, char** argv) {
   using namespace pyattn;
-  if (argc < 5 || argc > 7) {
-    std::fprintf(stderr, "usage: %s f32|f16|bf16 ROWS KV_LEN CALLS [PREFETCH [STREAMS]]\n", argv[0]);
+  if (argc < 5 || argc > 8) {
+    std::fprintf(stderr, "usage: %s f32|f16|bf16 ROWS KV_LEN CALLS [PREFETCH [STREAMS [FUSE]]]\n", argv[0]);
     return 2;
   }
   const std::string storage_name = argv[1];
@@ -131,7 +133,8 @@ int main(int argc, char** argv) {
   a.kv_storage = storage;
   a.prefetch_kv = argc >= 6 && std::atoi(argv[5]) != 0;  // what the driver sets for K/V from memory
   a.prefetch_to_l1 = argc >= 6 && std::atoi(argv[5]) == 2;
-  a.decode_streams = argc == 7 ? std::atoi(argv[6]) : 1;
+  a.decode_streams = argc >= 7 ? std::atoi(argv[6]) : 1;
+  a.decode_fuse = argc >= 8 && std::atoi(argv[7]) != 0;
 
   const DecodeTile tile{0, 0, 0, rows, 0, kv_len};
   const int64_t value_padded = kernels.decode_padded(value_dim);
@@ -186,9 +189,9 @@ int main(int argc, char** argv) {
     seconds[static_cast<size_t>(n)] = (harness::thread_seconds() - t0) / double(batch);
   }
   auto per_row = [&](double q) { return harness::quantile(seconds, q) / double(kv_len) * 1e9; };
-  std::printf("%s %s rows %lld kv_len %lld prefetch %d streams %d: ns per key row min %.2f p25 %.2f median %.2f (out[0][0] = %.6g)\n",
+  std::printf("%s %s rows %lld kv_len %lld prefetch %d streams %d fuse %d: ns per key row min %.2f p25 %.2f median %.2f (out[0][0] = %.6g)\n",
               PYATTN_ISA_NAME, storage_name.c_str(), static_cast<long long>(rows), static_cast<long long>(kv_len),
-              int(a.prefetch_kv) + int(a.prefetch_kv && a.prefetch_to_l1), a.decode_streams,
+              int(a.prefetch_kv) + int(a.prefetch_kv && a.prefetch_to_l1), a.decode_streams, int(a.decode_fuse),
               per_row(0), per_row(0.25), per_row(0.5),
               double(acc.data[0] / l.data[0]));
   return 0;

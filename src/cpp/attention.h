@@ -116,6 +116,10 @@ struct AttnArgs {
   // Keys per block of the decode kernel for 16-bit K/V read in place: 32 or 64 (decode.inc,
   // decode_block; set by the driver, attend_decode).
   int decode_block16 = 32;
+  // Whether the decode kernel reads a block's K rows and the previous block's V rows together, key
+  // by key (decode.inc, scores_and_values), where one query row reads each float32 K/V row; set by
+  // the driver (decode_rules).
+  bool decode_fuse = false;
 
   T* out_rows(int64_t bh) const { return out + (bh / num_heads) * out_stride_b + (bh % num_heads) * out_stride_h; }
   int64_t kv_len_of(int64_t bh) const { return kv_lens ? kv_lens[bh / num_heads] : kv_len; }
@@ -404,6 +408,10 @@ int set_decode_streams(int streams);
 // Keys per block of the decode kernel for 16-bit K/V: -1 decided per call (attend_decode, the
 // default), or 32 or 64 always (tests and measurements). Returns the previous setting.
 int set_decode_block16(int keys);
+// Whether the decode kernel reads a block's K rows together with the previous block's V rows, key by
+// key, where it can (decode.inc, scores_and_values): -1 decided per call (decode_rules, the default),
+// 0 never, 1 wherever it can (tests and measurements). Returns the previous setting.
+int set_decode_fuse(int mode);
 // Where the decode kernel's software prefetches put K/V rows, when it prefetches: -1 decided per call
 // (decode_rules, the default), 1 L1 or 2 L2 always (tests and measurements). Returns the previous
 // setting.

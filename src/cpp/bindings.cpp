@@ -533,6 +533,10 @@ PYBIND11_MODULE(_core, m) {
   m.def("_set_decode_prefetch_level", &set_decode_prefetch_level, py::arg("level"),
         "Where the decode kernel's software prefetches put K/V rows, when it prefetches: -1 decided per "
         "call (the default), 1 L1 or 2 L2 always (for tests). Returns the previous setting.");
+  m.def("_set_decode_fuse", &set_decode_fuse, py::arg("mode"),
+        "Whether the decode kernel reads a block's K rows together with the previous block's V rows where "
+        "it can: -1 decided per call (the default), 0 never, 1 wherever it can (for tests). Returns the "
+        "previous setting.");
   m.def("_set_decode_streams", &set_decode_streams, py::arg("streams"),
         "How many parts of a work item's keys the decode kernel reads side by side: -1 decided per call "
         "(the default), 1, 2 or 4 always (for tests). Returns the previous setting.");
