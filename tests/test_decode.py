@@ -519,7 +519,8 @@ def kv(rng, batch, heads, chunk, dim, dtype=np.float32):
 
 
 def is_zen5():
-    return pyattn.runtime_info()["cpu_vendor"] == "AuthenticAMD" and pyattn._core.cpu_family() >= 0x1A
+    """Whether the core's Zen 5 rules apply here (AMD, CPUID family 1Ah or later)."""
+    return pyattn._core.cpu_is_amd_zen5_on()
 
 
 @pytest.mark.parametrize("name", CACHE_DTYPES)
@@ -1277,6 +1278,30 @@ def test_decode_fused_blocks_change_nothing(isa, rng, name, head_dim):
     assert_result_close(fused, expected, name)
 
 
+@pytest.mark.parametrize(
+    "setter, bad, good",
+    [
+        ("_set_prefetch", [-2, 3], 2),
+        ("_set_group_tiles", [-1, 2], 0),
+        ("_set_pack_heads", [-2, 2], 1),
+        ("_set_decode_heads", [-2, 2], 0),
+        ("_set_decode_block16", [0, 16, 48, 128], 64),
+        ("_set_decode_prefetch_level", [0, 3], 2),
+        ("_set_decode_fuse", [-2, 2], 0),
+        ("_set_decode_streams", [0, 3, 8], 2),
+    ],
+)
+def test_core_switches_refuse_values_they_do_not_list(setter, bad, good):
+    """The core's test switches take the values they document only: any other raises a ValueError
+    naming the switch, and leaves the setting as it was (not a neighbouring value)."""
+    set_ = getattr(pyattn._core, setter)
+    with core_setting(set_, good):
+        for value in bad:
+            with pytest.raises(ValueError, match=setter):
+                set_(value)
+            assert set_(good) == good  # still the good value
+
+
 def decode_streams(n):
     """How many parts of a work item's keys the decode kernel reads side by side, rows in turn: -1
     (the default) by storage and size, or 1, 2, 4 forced (a part needs a key block of its own: 128
@@ -1373,7 +1398,7 @@ def test_decode_parts_by_default_on_amd(isa, rng, kv_heads, parts):
     info = pyattn.runtime_info()
     if info["cpu_vendor"] != "AuthenticAMD":
         pytest.skip("the rule under test is AMD's")
-    if pyattn._core.cpu_family() >= 0x1A:
+    if is_zen5():
         parts = 1
     llc = max(info["l3_cache_bytes"], info["l2_cache_bytes"])
     head_dim, q_heads = 128, 32

@@ -24,9 +24,12 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <memory>
 #include <new>
+#include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -905,17 +908,34 @@ int default_num_threads() {
 void set_default_num_threads(int n) { g_default_threads.store(n > 0 ? n : 0, std::memory_order_relaxed); }
 
 int64_t set_packed_mask_limit(int64_t bytes) { return g_packed_mask_limit.exchange(bytes < 0 ? 0 : bytes); }
-int set_prefetch(int mode) { return g_prefetch.exchange(mode < 0 ? -1 : (mode > 2 ? 2 : mode)); }
-int set_group_tiles(int on) { return g_group_tiles.exchange(on ? 1 : 0); }
-int set_pack_heads(int mode) { return g_pack_heads.exchange(mode < 0 ? -1 : (mode > 0 ? 1 : 0)); }
-int set_decode_heads(int mode) { return g_decode_heads.exchange(mode < 0 ? -1 : mode > 0 ? 1 : 0); }
-int set_decode_block16(int keys) { return g_decode_block16.exchange(keys < 0 ? -1 : keys >= 64 ? 64 : 32); }
-int set_decode_fuse(int mode) { return g_decode_fuse.exchange(mode < 0 ? -1 : mode > 0 ? 1 : 0); }
+namespace {
+
+// The test switches below take only the values they document: a value outside them is refused
+// (ValueError in Python), not read as a neighbouring one, and the setting stays as it was.
+int switch_value(const char* name, int value, std::initializer_list<int> allowed) {
+  std::string list;
+  for (const int x : allowed) {
+    if (x == value) return value;
+    list += (list.empty() ? "" : ", ") + std::to_string(x);
+  }
+  throw std::invalid_argument(std::string(name) + ": expected one of " + list + ", got " + std::to_string(value));
+}
+
+}  // namespace
+
+int set_prefetch(int mode) { return g_prefetch.exchange(switch_value("_set_prefetch", mode, {-1, 0, 1, 2})); }
+int set_group_tiles(int on) { return g_group_tiles.exchange(switch_value("_set_group_tiles", on, {0, 1})); }
+int set_pack_heads(int mode) { return g_pack_heads.exchange(switch_value("_set_pack_heads", mode, {-1, 0, 1})); }
+int set_decode_heads(int mode) { return g_decode_heads.exchange(switch_value("_set_decode_heads", mode, {-1, 0, 1})); }
+int set_decode_block16(int keys) {
+  return g_decode_block16.exchange(switch_value("_set_decode_block16", keys, {-1, 32, 64}));
+}
+int set_decode_fuse(int mode) { return g_decode_fuse.exchange(switch_value("_set_decode_fuse", mode, {-1, 0, 1})); }
 int set_decode_prefetch_level(int level) {
-  return g_decode_prefetch_level.exchange(level < 0 ? -1 : level <= 1 ? 1 : 2);
+  return g_decode_prefetch_level.exchange(switch_value("_set_decode_prefetch_level", level, {-1, 1, 2}));
 }
 int set_decode_streams(int streams) {
-  return g_decode_streams.exchange(streams < 0 ? -1 : streams >= 4 ? 4 : streams >= 2 ? 2 : 1);
+  return g_decode_streams.exchange(switch_value("_set_decode_streams", streams, {-1, 1, 2, 4}));
 }
 
 bool openmp_enabled() {

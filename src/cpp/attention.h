@@ -385,6 +385,8 @@ void set_default_num_threads(int n);  // 0 = unset (OpenMP default)
 // Largest packed copy of a boolean mask the driver makes, in bytes (tests set 0 to force the kernels
 // to read mask bytes); returns the previous value.
 int64_t set_packed_mask_limit(int64_t bytes);
+// The switches from here to set_decode_prefetch_level take only the values each lists (any other
+// throws std::invalid_argument, leaving the setting as it was).
 // Whether the tiles prefetch: -1 decided per call from the cache sizes (attention.cpp), 0 never,
 // 1 always the next key block's K/V rows (AttnArgs::prefetch_kv), 2 always the next work item's
 // rows (Scratch::next_item); tests force each. Returns the previous mode.
