@@ -475,16 +475,16 @@ DecodeRules decode_rules(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_t
   const int heads_mode = g_decode_heads.load(std::memory_order_relaxed);
   const bool heads_by_rule = !cpu_is_amd_zen5_on() || (half_kv && !four_rows);
   r.across_heads = heads_mode > 0 || (heads_mode < 0 && heads_by_rule);
-  // One query row per K/V row (float32 rows of 4 or 8 vectors read in place): a block's K rows and
-  // the previous block's V rows read together, key by key (decode.inc, scores_and_values), so that
-  // both streams are in flight at once. Zen 5: a plain read of two 128 MiB arrays, two processes side
-  // by side, took 29.7-30.7 ns per 1 KiB row of K and V in 128-row blocks of each in turn (24.1-25.1
-  // with the kernel's prefetching), 22.6-23.4 a row of each in turn; the kernel's step 27.7-28.4
-  // (unfused, prefetching into L1) against 26.2-26.9 fused. In the driver (2 threads, 32 query heads
-  // over 32 K/V heads of 128, one new token, fused and not alternating in one process, medians of 7
-  // rounds): 256-1k keys 1.05-1.16x, 4k-64k 1.08-1.13x, B = 8 at 4k 1.08x, with the same bits.
-  // Other cores: unmeasured, left apart (on the Xeon, four parts of each stream side by side: eight
-  // streams, which measured slower than four there).
+  // One query row per K/V row (rows of 4 or 8 vectors in the compute type, read in place): a
+  // block's K rows and the previous block's V rows read together, key by key (decode.inc,
+  // scores_and_values), so that both streams are in flight at once. Zen 5: a plain read of two 128
+  // MiB arrays, two processes side by side, took 29.6-30.7 ns per 1 KiB row of K and V in 128-row
+  // blocks of each in turn (24.1-25.1 with the kernel's prefetching), 22.6-23.4 a row of each in
+  // turn; the kernel's step 27.7-28.4 (unfused, prefetching into L1) against 26.2-26.9 fused. In the
+  // driver (2 threads, 32 query heads over 32 K/V heads of 128, one new token, fused and not
+  // alternating in one process, medians of 7 rounds): 256-1k keys 1.05-1.16x, 4k-64k 1.08-1.13x,
+  // B = 8 at 4k 1.08x, with the same bits. Other cores: unmeasured, left apart (on the Xeon, four
+  // parts of each stream side by side: eight streams, which measured slower than four there).
   const int fuse_mode = g_decode_fuse.load(std::memory_order_relaxed);
   r.fuse = fuse_mode < 0 ? cpu_is_amd_zen5_on() : fuse_mode == 1;
   return r;
