@@ -117,8 +117,8 @@ struct AttnArgs {
   // decode_block; set by the driver, attend_decode).
   int decode_block16 = 32;
   // Whether the decode kernel reads a block's K rows and the previous block's V rows together, key
-  // by key (decode.inc, scores_and_values), where one query row reads each float32 K/V row; set by
-  // the driver (decode_rules).
+  // by key (decode.inc, scores_and_values), where one query row reads each K/V row stored in the
+  // compute type; set by the driver (decode_rules).
   bool decode_fuse = false;
 
   T* out_rows(int64_t bh) const { return out + (bh / num_heads) * out_stride_b + (bh % num_heads) * out_stride_h; }
