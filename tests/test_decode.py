@@ -1278,6 +1278,50 @@ def test_decode_fused_blocks_change_nothing(isa, rng, name, head_dim):
     assert_result_close(fused, expected, name)
 
 
+@pytest.mark.parametrize("fuse", [1, 0])
+@pytest.mark.parametrize("q_len, heads, kv_heads, head_dim", [(1, 4, 4, 128), (1, 4, 2, 24), (3, 4, 2, 64)])
+@pytest.mark.parametrize("name", CACHE_DTYPES)
+def test_decode_poisoned_forbidden_rows_change_no_bits(isa, rng, name, q_len, heads, kv_heads, head_dim, fuse):
+    """The decode kernel's P.V goes unguarded through blocks with forbidden keys and reruns a tile
+    with its V rows checked only when its accumulators end up non-finite. Forbidden keys (15% of 700,
+    the same for every query row, none among the first and last five) whose K and V rows hold NaN,
+    +Inf or -Inf give the same bits as the same rows holding zeros, with and without an allowed V
+    row holding +Inf (which sends the zero rows' tiles through the checks too); and the zero rows'
+    result is the reference's (the +Inf column exactly)."""
+    dtype = np_dtype(name)
+    kv_len = 700
+    q, k, v = make_qkv(rng, dtype, batch=(1,), q_heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
+                       head_dim=head_dim, guard=False)
+    allowed = rng.random(kv_len) >= 0.15
+    allowed[:5] = allowed[-5:] = True
+    mask = allowed.reshape(1, 1, 1, kv_len)  # the same keys forbidden for every row: a column mask
+    holes = np.flatnonzero(~allowed)
+    for inf_row in (None, int(np.flatnonzero(allowed)[200])):
+        clean_k, clean_v = k.copy(), v.copy()
+        clean_k[..., holes, :] = 0
+        clean_v[..., holes, :] = 0
+        if inf_row is not None:
+            clean_v[0, 1, inf_row, 3] = np.inf
+        bad_k, bad_v = clean_k.copy(), clean_v.copy()
+        for i, bad in enumerate((np.nan, np.inf, -np.inf)):
+            bad_k[..., holes[i::3], :] = bad
+            bad_v[..., holes[i::3], :] = bad
+        with decode_fuse(fuse):
+            clean = sdpa(q, clean_k, clean_v, mask, is_causal="lower_right", enable_gqa=True, num_threads=2)
+            poisoned = sdpa(q, bad_k, bad_v, mask, is_causal="lower_right", enable_gqa=True, num_threads=2)
+        np.testing.assert_array_equal(f64(poisoned), f64(clean))
+        expected = reference.scaled_dot_product_attention(f64(q), f64(clean_k), f64(clean_v), mask,
+                                                          is_causal="lower_right", enable_gqa=True)
+        finite = np.isfinite(expected)
+        if inf_row is None:
+            assert finite.all()
+        else:  # +Inf in V row inf_row, column 3 of K/V head 1: query heads of that group, column 3
+            group = heads // kv_heads
+            assert not finite[0, group:2 * group, :, 3].any() and finite.sum() == finite.size - group * q_len
+            np.testing.assert_array_equal(f64(clean)[~finite], expected[~finite])
+        assert_result_close(np.where(finite, clean, 0).astype(dtype), np.where(finite, expected, 0), name)
+
+
 @pytest.mark.parametrize(
     "setter, bad, good",
     [
