@@ -1333,6 +1333,7 @@ def test_decode_poisoned_forbidden_rows_change_no_bits(isa, rng, name, q_len, he
         ("_set_decode_prefetch_level", [0, 3], 2),
         ("_set_decode_fuse", [-2, 2], 0),
         ("_set_decode_streams", [0, 3, 8], 2),
+        ("_set_packed_mask_limit", [-1, -(2**40)], 4096),
     ],
 )
 def test_core_switches_refuse_values_they_do_not_list(setter, bad, good):

@@ -301,7 +301,7 @@ void pack_mask_bits(MaskSlot& m, int64_t batch_heads, int64_t q_len, int64_t kv_
 template <class T>
 void attend_decode_heads(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_threads) {
   const int64_t group = a.group, heads = a.num_heads / group, batch = a.batch_heads / a.num_heads;
-  const int64_t rows = group * a.q_len;
+  const int64_t rows = a.rows_per_kv_head();
   const Split split = split_keys(batch, a.kv_len, ks.decode_heads_block,
                                  std::max(ks.decode_heads_block, ceil_div(kDecodeMinChunk, heads)));
   const int64_t items = batch * split.count;
@@ -360,7 +360,7 @@ struct DecodeRules {
 template <class T>
 DecodeRules decode_rules(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_threads) {
   DecodeRules r{};
-  const int64_t rows_total = a.group * a.q_len;  // query rows per key/value head
+  const int64_t rows_total = a.rows_per_kv_head();
   // The two things the rules below go by besides sizes: 16-bit K/V, and 4+ query rows per K/V row.
   const bool half_kv = a.kv_storage != Storage::same, four_rows = rows_total >= 4;
   // Software prefetching of the K and V streams, 16 KiB ahead in each (decode.inc, Ahead), where the
@@ -494,7 +494,7 @@ DecodeRules decode_rules(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_t
 template <class T>
 void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_threads) {
   AttnArgs<T> a = in;
-  const int64_t rows_total = a.group * a.q_len;  // query rows per key/value head
+  const int64_t rows_total = a.rows_per_kv_head();
   const DecodeRules rules = decode_rules(a, ks, num_threads);
   a.prefetch_kv = rules.prefetch_kv;
   a.prefetch_to_l1 = rules.prefetch_to_l1;
@@ -907,7 +907,11 @@ int default_num_threads() {
 
 void set_default_num_threads(int n) { g_default_threads.store(n > 0 ? n : 0, std::memory_order_relaxed); }
 
-int64_t set_packed_mask_limit(int64_t bytes) { return g_packed_mask_limit.exchange(bytes < 0 ? 0 : bytes); }
+int64_t set_packed_mask_limit(int64_t bytes) {
+  if (bytes < 0)
+    throw std::invalid_argument("_set_packed_mask_limit: expected a byte count >= 0, got " + std::to_string(bytes));
+  return g_packed_mask_limit.exchange(bytes);
+}
 namespace {
 
 // The test switches below take only the values they document: a value outside them is refused

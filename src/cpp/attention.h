@@ -126,6 +126,8 @@ struct AttnArgs {
   int64_t causal_offset_of(int64_t bh) const { return causal_offsets ? causal_offsets[bh / num_heads] : causal_offset; }
   // Bytes of one stored K/V element.
   int64_t kv_item_bytes() const { return kv_storage == Storage::same ? int64_t(sizeof(T)) : 2; }
+  // Query rows that read each key/value head: its group's query heads times the query length.
+  int64_t rows_per_kv_head() const { return group * q_len; }
 };
 
 // Decode work item: the query rows of one key/value head (all query heads of its group times the
@@ -383,7 +385,8 @@ void install_fork_guard();
 int default_num_threads();
 void set_default_num_threads(int n);  // 0 = unset (OpenMP default)
 // Largest packed copy of a boolean mask the driver makes, in bytes (tests set 0 to force the kernels
-// to read mask bytes); returns the previous value.
+// to read mask bytes); returns the previous value. A negative count throws std::invalid_argument
+// and leaves the limit as it was.
 int64_t set_packed_mask_limit(int64_t bytes);
 // The switches from here to set_decode_prefetch_level take only the values each lists (any other
 // throws std::invalid_argument, leaving the setting as it was).

@@ -553,7 +553,7 @@ PYBIND11_MODULE(_core, m) {
         "slightly larger uint8 array); `name` is the argument an error names.");
   m.def("_set_packed_mask_limit", &set_packed_mask_limit, py::arg("nbytes"),
         "Largest packed (bit) copy of a boolean mask a call makes; 0 makes the kernels read mask bytes "
-        "(for tests). Returns the previous limit.");
+        "(for tests). Returns the previous limit. A negative nbytes raises ValueError.");
   m.def(
       "_convert_half",
       [](const py::array& src, const py::array& dst, int threads, bool bfloat16) {

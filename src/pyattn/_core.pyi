@@ -124,7 +124,8 @@ def empty_on_line(dtype: np.dtype, shape: Sequence[int], name: str) -> np.ndarra
 
 def _set_packed_mask_limit(nbytes: int) -> int:
     """Largest packed (bit) copy of a boolean mask a call makes (default 8 MiB); 0 makes the kernels
-    read the mask bytes themselves (for tests). Returns the previous limit."""
+    read the mask bytes themselves (for tests). Returns the previous limit; a negative nbytes
+    raises ValueError and leaves the limit as it was."""
 
 def _set_prefetch(mode: int) -> int:
     """What the query tiles prefetch: -1 decided per call from the cache sizes (default), 0 nothing,
