@@ -445,17 +445,26 @@ def _score_factor(query, key, scale):
     """How much larger than usual the scores can be: the error of attention in a given precision
     grows with |score| = |scale * q.k| (softmax turns an absolute error of a score into a relative
     error of its weight), and TOL is set for the default scale on unit-variance data (|score| below
-    ~16). Bound by Cauchy-Schwarz from the largest query and key rows; non-finite inputs count as 1
-    (their NaN/Inf positions are compared exactly anyway)."""
+    ~16). Bound by Cauchy-Schwarz from the largest finite query and key rows: a row holding NaN or
+    Inf gives NaN/Inf results, whose positions are compared exactly, but must not take the other rows'
+    factor with it (a NaN query row once made it 1 for a call with scale 2.2)."""
     q = np.asarray(query, dtype=np.float64)
     k = np.asarray(key, dtype=np.float64)
     if q.size == 0 or k.size == 0:
         return 1.0
     head_dim = q.shape[-1]
     s = float(scale) if scale is not None else (1.0 / math.sqrt(head_dim) if head_dim else 1.0)
-    with np.errstate(all="ignore"):
-        bound = abs(s) * np.sqrt((q * q).sum(-1)).max() * np.sqrt((k * k).sum(-1)).max()
+    bound = abs(s) * largest_finite_norm(q) * largest_finite_norm(k)
     return max(1.0, bound / 16.0) if np.isfinite(bound) else 1.0
+
+
+def largest_finite_norm(x) -> float:
+    """The largest Euclidean norm among the rows (last axis) of x that hold only finite values; 0 if
+    none does."""
+    x = np.asarray(x, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        norms = np.sqrt((x * x).sum(-1))
+    return float(norms[np.isfinite(norms)].max(initial=0.0))
 
 
 def _compare(got, want, dtype, factor=1.0):

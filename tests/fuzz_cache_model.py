@@ -11,7 +11,7 @@ import numpy as np
 
 from pyattn import reference
 
-from fuzz_api import TOL  # the one tolerance table of the suite (conftest.TOL)
+from fuzz_api import TOL, largest_finite_norm  # TOL: the one tolerance table of the suite (conftest.TOL)
 
 # K/V that a layer step projects and stores, against the float64 projection: the storage's rounding
 # (half an ulp: 2^-11 relative for float16, 2^-8 for bfloat16; twice that here) on top of the float32
@@ -113,8 +113,8 @@ def _score_factor(q_rows, k_rows, scale):
     for |score| below ~16), as in fuzz_api._score_factor."""
     if not q_rows or not k_rows:
         return 1.0
-    qn = max(float(np.sqrt((q * q).sum(-1)).max(initial=0.0)) for q in q_rows)
-    kn = max(float(np.sqrt((k * k).sum(-1)).max(initial=0.0)) for k in k_rows)
+    qn = max(largest_finite_norm(q) for q in q_rows)
+    kn = max(largest_finite_norm(k) for k in k_rows)
     bound = abs(scale) * qn * kn
     return max(1.0, bound / 16.0) if np.isfinite(bound) else 1.0
 

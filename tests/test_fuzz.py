@@ -15,7 +15,8 @@ well under a minute; PYATTN_FUZZ_EXAMPLES and PYATTN_FUZZ_CACHE_EXAMPLES overrid
 import os
 
 import fuzz_cache
-from fuzz_api import cases, check
+import numpy as np
+from fuzz_api import _score_factor, cases, check, largest_finite_norm
 from hypothesis import HealthCheck, given, settings
 
 EXAMPLES = int(os.environ.get("PYATTN_FUZZ_EXAMPLES", "600"))
@@ -43,3 +44,20 @@ def test_sdpa_fuzz(case):
 @given(fuzz_cache.programs())
 def test_cache_fuzz(program):
     fuzz_cache.check(program)
+
+
+def test_score_factor_ignores_non_finite_rows():
+    # The fuzzer's tolerance widens with the largest |score| the finite rows can give; a NaN or Inf
+    # row (compared by position) must not reset it to 1 for the rest of the call.
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((2, 4, 64)), rng.standard_normal((2, 6, 64))
+    clean = _score_factor(q, k, 2.2)
+    assert clean > 5.0  # |score| bound 2.2 * |q| * |k|, about 2.2 * 8 * 8 / 16 here
+    for bad in (np.nan, np.inf, -np.inf):
+        q_bad, k_bad = q.copy(), k.copy()
+        q_bad[1, 2, 5] = bad
+        k_bad[0, 3, 0] = bad
+        assert 1.0 < _score_factor(q_bad, k, 2.2) <= clean
+        assert 1.0 < _score_factor(q, k_bad, 2.2) <= clean
+    assert largest_finite_norm(np.full((3, 4), np.nan)) == 0.0
+    assert _score_factor(np.full((1, 2, 4), np.nan), k[..., :4], 2.2) == 1.0

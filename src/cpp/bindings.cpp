@@ -508,46 +508,39 @@ PYBIND11_MODULE(_core, m) {
     set_default_num_threads(n);
   });
   m.def("get_num_threads", &default_num_threads);
-  m.def("_set_prefetch", &set_prefetch, py::arg("mode"),
-        "What the query tiles and the decode kernel prefetch: -1 decided per call from the cache sizes "
-        "(default), 0 nothing, 1 always K/V rows ahead (the tiles: the next key block's; the decode kernel: "
-        "16 KiB ahead in each stream), 2 always the next work item's rows (tiles; the decode kernel then "
-        "prefetches nothing) (for tests). Returns the previous mode."
-        " Other values raise ValueError.");
-  m.def("_set_group_tiles", &set_group_tiles, py::arg("on"),
-        "Whether the query tiles take the heads of a GQA group together (1, the default) or head by "
-        "head (0, for tests). Returns the previous setting."
-        " Other values raise ValueError.");
-  m.def("_set_pack_heads", &set_pack_heads, py::arg("mode"),
-        "Whether the query tiles copy the rows of K/V heads that interleave in memory (a (batch, seq, "
-        "heads, head_dim) array viewed heads first) into a per-thread buffer, head by head: -1 decided per "
-        "call from the sizes (the default), 0 never, 1 whenever they interleave (for tests). Returns the "
-        "previous setting."
-        " Other values raise ValueError.");
-  m.def("_set_decode_heads", &set_decode_heads, py::arg("mode"),
-        "Whether decode calls over K/V heads that interleave in memory (a (batch, seq, heads, head_dim) "
-        "array viewed heads first) read every head's rows of a key block in turn: -1 by rule (the "
-        "default: wherever they interleave; on Zen 5 only for 16-bit K/V with fewer than 4 query rows per "
-        "K/V row), 0 never (head by head), 1 wherever they interleave (for tests). Returns the previous "
-        "setting."
-        " Other values raise ValueError.");
-  m.def("_set_decode_block16", &set_decode_block16, py::arg("keys"),
-        "Keys per block of the decode kernel for 16-bit K/V: -1 decided per call (the default), 32 or 64 "
-        "always (for tests). Returns the previous setting."
-        " Other values raise ValueError.");
-  m.def("_set_decode_prefetch_level", &set_decode_prefetch_level, py::arg("level"),
-        "Where the decode kernel's software prefetches put K/V rows, when it prefetches: -1 decided per "
-        "call (the default), 1 L1 or 2 L2 always (for tests). Returns the previous setting."
-        " Other values raise ValueError.");
-  m.def("_set_decode_fuse", &set_decode_fuse, py::arg("mode"),
-        "Whether the decode kernel reads a block's K rows together with the previous block's V rows where "
-        "it can: -1 decided per call (the default), 0 never, 1 wherever it can (for tests). Returns the "
-        "previous setting."
-        " Other values raise ValueError.");
-  m.def("_set_decode_streams", &set_decode_streams, py::arg("streams"),
-        "How many parts of a work item's keys the decode kernel reads side by side: -1 decided per call "
-        "(the default), 1, 2 or 4 always (for tests). Returns the previous setting."
-        " Other values raise ValueError.");
+  // The test switches: each takes the values its docstring lists, refuses others with ValueError
+  // (switch_value, attention.cpp) and returns the previous setting.
+  auto def_switch = [&m](const char* name, int (*set)(int), const char* arg, const std::string& doc) {
+    m.def(name, set, py::arg(arg), (doc + " (for tests). Returns the previous setting; other values raise ValueError.").c_str());
+  };
+  def_switch("_set_prefetch", &set_prefetch, "mode",
+             "What the query tiles and the decode kernel prefetch: -1 decided per call from the cache sizes "
+             "(default), 0 nothing, 1 always K/V rows ahead (the tiles: the next key block's; the decode kernel: "
+             "16 KiB ahead in each stream), 2 always the next work item's rows (tiles; the decode kernel then "
+             "prefetches nothing)");
+  def_switch("_set_group_tiles", &set_group_tiles, "on",
+             "Whether the query tiles take the heads of a GQA group together (1, the default) or head by head (0)");
+  def_switch("_set_pack_heads", &set_pack_heads, "mode",
+             "Whether the query tiles copy the rows of K/V heads that interleave in memory (a (batch, seq, "
+             "heads, head_dim) array viewed heads first) into a per-thread buffer, head by head: -1 decided per "
+             "call from the sizes (the default), 0 never, 1 whenever they interleave");
+  def_switch("_set_decode_heads", &set_decode_heads, "mode",
+             "Whether decode calls over K/V heads that interleave in memory (a (batch, seq, heads, head_dim) "
+             "array viewed heads first) read every head's rows of a key block in turn: -1 by rule (the "
+             "default: wherever they interleave; on Zen 5 only for 16-bit K/V with fewer than 4 query rows per "
+             "K/V row), 0 never (head by head), 1 wherever they interleave");
+  def_switch("_set_decode_block16", &set_decode_block16, "keys",
+             "Keys per block of the decode kernel for 16-bit K/V: -1 decided per call (the default), 32 or 64 "
+             "always");
+  def_switch("_set_decode_prefetch_level", &set_decode_prefetch_level, "level",
+             "Where the decode kernel's software prefetches put K/V rows, when it prefetches: -1 decided per "
+             "call (the default), 1 L1 or 2 L2 always");
+  def_switch("_set_decode_fuse", &set_decode_fuse, "mode",
+             "Whether the decode kernel reads a block's K rows together with the previous block's V rows where "
+             "it can: -1 decided per call (the default), 0 never, 1 wherever it can");
+  def_switch("_set_decode_streams", &set_decode_streams, "streams",
+             "How many parts of a work item's keys the decode kernel reads side by side: -1 decided per call "
+             "(the default), 1, 2 or 4 always");
   m.def("empty_on_line", &array_on_line, py::arg("dtype"), py::arg("shape"), py::arg("name"),
         "A fresh uninitialised C-contiguous array that starts on a 64-byte cache line (a view into a "
         "slightly larger uint8 array); `name` is the argument an error names.");
