@@ -1129,3 +1129,34 @@ def test_linear_matches_matmul(isa, dtype, rng, with_bias):
         np.testing.assert_array_equal(unpacked, out, err_msg=f"unpacked weight, m={m} n={n} k={k}")
         for before, after in zip(saved, (x, w) + ((bias,) if with_bias else ())):
             np.testing.assert_array_equal(after, before, err_msg=f"input modified, m={m} n={n} k={k}")
+
+
+@pytest.mark.parametrize("entry", ["mha", "mha_cached"])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"batch": -1}, "dims must be non-negative"),
+        ({"num_kv_heads": 3}, "positive multiple of num_kv_heads"),
+        ({"num_kv_heads": 0}, "positive multiple of num_kv_heads"),
+        ({"head_dim": 5}, "must equal embed_dim"),
+    ],
+)
+def test_low_level_layer_entries_check_their_sizes(entry, bad, message):
+    # pyattn._mha checks these before it calls the core, but the entries are reachable on their own:
+    # a size they are handed that does not add up is a ValueError, never a read out of bounds.
+    sizes = {"batch": 1, "q_len": 2, "kv_len": 2, "embed_dim": 8, "num_heads": 2, "num_kv_heads": 2, "head_dim": 4}
+    sizes.update(bad)
+    x = np.zeros((2, 8), np.float32)
+    weights = (None,) * 8
+    out = np.zeros((2, 8), np.float32)
+    with pytest.raises(ValueError, match=message):
+        if entry == "mha":
+            dims = [sizes[n] for n in ("batch", "q_len", "kv_len", "embed_dim")] + [8, 8] + [
+                sizes[n] for n in ("num_heads", "num_kv_heads", "head_dim")
+            ]
+            pyattn._core.mha(x, x, x, weights, dims, [], 0, 0, out, None, 1)
+        else:
+            dims = [sizes[n] for n in ("batch", "q_len", "embed_dim", "num_heads", "num_kv_heads", "head_dim")]
+            cache = np.zeros((1, 2, 4, 4), np.float32)
+            lengths = np.zeros(1, np.int64)
+            pyattn._core.mha_cached(x, weights, dims, cache, cache, 0, lengths, lengths, False, out, 1)

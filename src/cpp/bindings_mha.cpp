@@ -133,6 +133,17 @@ void linear_py(const py::array& x, const py::array& packed, int64_t panel, int64
   fail("x: dtype must be float32 or float64");
 }
 
+// The sizes a layer call passes (dims, from pyattn._mha), checked again here: the Python layer
+// checks them first, but this entry is reachable from Python on its own.
+void check_layer_dims(const std::vector<int64_t>& dims, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      int64_t embed_dim) {
+  for (int64_t d : dims)
+    if (d < 0) fail("dims must be non-negative");
+  if (num_heads < 1 || num_kv_heads < 1 || num_heads % num_kv_heads != 0)
+    fail("num_heads must be a positive multiple of num_kv_heads");
+  if (num_heads * head_dim != embed_dim) fail("num_heads * head_dim must equal embed_dim");
+}
+
 // The layer's weights tuple (q, k, v, out projections, each packed or not, then their optional
 // biases), checked against the shapes.
 template <class T>
@@ -159,11 +170,7 @@ void run_mha(const py::array& xq, const py::array& xk, const py::array& xv, cons
   m.num_heads = dims[6];
   m.num_kv_heads = dims[7];
   m.head_dim = dims[8];
-  for (int64_t d : dims)
-    if (d < 0) fail("dims must be non-negative");
-  if (m.num_heads < 1 || m.num_kv_heads < 1 || m.num_heads % m.num_kv_heads != 0)
-    fail("num_heads must be a positive multiple of num_kv_heads");
-  if (m.num_heads * m.head_dim != m.embed_dim) fail("num_heads * head_dim must equal embed_dim");
+  check_layer_dims(dims, m.num_heads, m.num_kv_heads, m.head_dim, m.embed_dim);
   const int64_t q_rows = checked_mul(m.batch, m.q_len), kv_rows = checked_mul(m.batch, m.kv_len);
   m.xq_stride = row_matrix<T>("query", xq, q_rows, m.embed_dim);
   m.xk_stride = row_matrix<T>("key", xk, kv_rows, m.kdim);
@@ -250,11 +257,7 @@ void run_mha_cached(const py::array& x, const py::tuple& w, const std::vector<in
   m.num_heads = dims[3];
   m.num_kv_heads = dims[4];
   m.head_dim = dims[5];
-  for (int64_t d : dims)
-    if (d < 0) fail("dims must be non-negative");
-  if (m.num_heads < 1 || m.num_kv_heads < 1 || m.num_heads % m.num_kv_heads != 0)
-    fail("num_heads must be a positive multiple of num_kv_heads");
-  if (m.num_heads * m.head_dim != m.embed_dim) fail("num_heads * head_dim must equal embed_dim");
+  check_layer_dims(dims, m.num_heads, m.num_kv_heads, m.head_dim, m.embed_dim);
   const int64_t rows = checked_mul(m.batch, m.chunk), kv_width = checked_mul(m.num_kv_heads, m.head_dim);
   m.x_stride = row_matrix<T>("query", x, rows, m.embed_dim);
   m.x = static_cast<const T*>(x.data());
