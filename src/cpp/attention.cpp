@@ -322,14 +322,14 @@ void attend_decode_heads(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_t
       states[size_t(n * heads + h)] = carve(partials.data() + sstate * size_t(task * split.count + c));
     }
   const size_t scratch_elems = padded(size_t(ks.decode_heads_scratch(heads, rows, a.head_dim, a.value_dim)), sizeof(T));
-  AlignedBuffer<T> scratch(scratch_elems * size_t(threads));
+  ThreadSlices<T> scratch(scratch_elems, threads);
   std::vector<int64_t> offsets(size_t(threads * 2 * heads));  // decode_heads' scratch, per thread
   std::vector<RowState<T>> local(size_t(threads * heads));
   parallel_for(items, threads, [&](int64_t n) {
     const int64_t b = n / split.count, j_begin = n % split.count * split.chunk;
     const int64_t j_end = std::min(a.kv_len, j_begin + split.chunk);
     const int id = thread_id();
-    ks.decode_heads(a, b, rows, group, j_begin, j_end, scratch.data() + scratch_elems * size_t(id),
+    ks.decode_heads(a, b, rows, group, j_begin, j_end, scratch.slice(id),
                     &states[size_t(n * heads)], &local[size_t(id * heads)], &offsets[size_t(id * 2 * heads)]);
   });
   parallel_for(batch * heads, threads, [&](int64_t task) {
@@ -541,7 +541,7 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
   const size_t sstate = state_elems<T>(chunk_rows, vdim_p);
   const size_t scratch_elems = padded(size_t(ks.decode_scratch(chunk_rows, a.head_dim, a.value_dim)), sizeof(T));
   const size_t per_thread = scratch_elems + (split.count > 1 ? 0 : sstate);
-  AlignedBuffer<T> scratch(per_thread * size_t(threads));
+  ThreadSlices<T> scratch(per_thread, threads);
   std::unique_ptr<AlignedBuffer<T>> partials;
   if (split.count > 1) partials.reset(new AlignedBuffer<T>(sstate * size_t(items)));
   auto carve = [&](T* base) { return state_at(base, chunk_rows, vdim_p); };
@@ -561,7 +561,7 @@ void attend_decode(const AttnArgs<T>& in, const KernelSet<T>& ks, int num_thread
     // Item n is chunk n % split.count of task n / split.count; interleaved heads claim them chunk
     // by chunk (all tasks' first chunks, then their second ones, ...).
     const int64_t n = interleaved ? claimed % tasks * split.count + claimed / tasks : claimed;
-    T* mine = scratch.data() + per_thread * size_t(thread_id());
+    T* mine = scratch.slice(thread_id());
     DecodeTile t = tile_of(n / split.count);
     if (split.count > 1) {
       const int64_t c = n % split.count;
@@ -711,8 +711,9 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
   const size_t kv_elems =
       a.kv_storage == Storage::same ? 0 : padded(size_t(ks.key_block(ks.lanes) * (a.head_dim + a.value_dim)), sizeof(T));
   // Per thread: scores, converted K/V, then query block and state of each head of a tile.
+  // A split item's states are copied out to `partials` at its end (ThreadSlices, parallel.h).
   const size_t per_thread = st_elems + kv_elems + size_t(group_heads) * (qt_elems + sstate);
-  AlignedBuffer<T> scratch(per_thread * size_t(threads));
+  ThreadSlices<T> scratch(per_thread, threads);
   std::unique_ptr<AlignedBuffer<T>> partials;  // state of item n's head h at (n * group_heads + h) * sstate
   if (split.count > 1) partials.reset(new AlignedBuffer<T>(sstate * size_t(items * group_heads)));
 
@@ -810,14 +811,17 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
   // and V offsets, key range: a K shared by all heads may come with V rows of each head's own).
   const int64_t item_bytes_kv = a.kv_item_bytes();
   const size_t pack_bytes = pack_heads ? padded(size_t(head_pack_bytes), 1) : 0;
-  AlignedBuffer<char> packs(pack_bytes * size_t(threads));
-  std::vector<int64_t> packed_keys(pack_heads ? size_t(threads) * 4 : 0, -1);
+  ThreadSlices<char> packs(pack_bytes, threads);
+  // Each thread's four keys (32 bytes) 128 bytes from the next thread's: never on a common cache
+  // line, wherever the vector starts.
+  constexpr size_t kKeyStride = 2 * kCacheLine / sizeof(int64_t);
+  std::vector<int64_t> packed_keys(pack_heads ? size_t(threads) * kKeyStride : 0, -1);
   const std::vector<int64_t> zero_offsets(pack_heads ? size_t(a.batch_heads) : 0, 0);
   // The arguments a tile of t reads: a's, or with pack_heads the thread's copy of t's K/V rows.
   auto packed_args = [&](const Tile& t, AttnArgs<T>& copy) {
-    char* kp = packs.data() + pack_bytes * size_t(thread_id());
+    char* kp = packs.slice(thread_id());
     char* vp = kp + a.kv_len * a.head_dim * item_bytes_kv;
-    int64_t* key = &packed_keys[size_t(thread_id()) * 4];
+    int64_t* key = &packed_keys[size_t(thread_id()) * kKeyStride];
     if (key[0] != a.k_offset[t.bh] || key[1] != a.v_offset[t.bh] || key[2] != t.j_begin || key[3] != t.j_end) {
       const char* k = reinterpret_cast<const char*>(a.k);
       const char* v = reinterpret_cast<const char*>(a.v);
@@ -839,7 +843,7 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
     copy.v_stride_s = a.value_dim;
   };
   auto run_item = [&](int64_t n, int64_t next) {
-    T* mine = scratch.data() + per_thread * size_t(thread_id());
+    T* mine = scratch.slice(thread_id());
     const Tile t = item_tile(n);
     AttnArgs<T> with_copy;
     if (pack_heads) packed_args(t, with_copy);
@@ -848,8 +852,7 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
     Scratch<T> s[kMaxGroupTileHeads];
     for (int64_t h = 0; h < heads; ++h) {
       T* head = mine + st_elems + kv_elems + size_t(h) * (qt_elems + sstate);
-      T* state = split.count > 1 ? partials->data() + sstate * size_t(n * group_heads + h) : head + qt_elems;
-      s[h] = Scratch<T>{head, mine, state_at(state, block_rows, a.value_dim), kv_elems ? mine + st_elems : nullptr};
+      s[h] = Scratch<T>{head, mine, state_at(head + qt_elems, block_rows, a.value_dim), kv_elems ? mine + st_elems : nullptr};
     }
     if (prefetch_items && next >= 0) {
       s[0].next_item = &next_items[size_t(thread_id())];
@@ -860,7 +863,11 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
     if (heads > 1) ks.attend_group(args, t, heads, bm, s);
     else ks.attend(args, t, bm, s[0]);
     if (s[0].next_item) s[0].next_item->finish();  // what the score steps left (a causal tile skips keys)
-    if (split.count > 1) return;
+    if (split.count > 1) {
+      for (int64_t h = 0; h < heads; ++h)
+        std::memcpy(partials->data() + sstate * size_t(n * group_heads + h), s[h].state.acc, sstate * sizeof(T));
+      return;
+    }
     for (int64_t h = 0; h < heads; ++h)
       ks.finalize(s[h].state, bm, t.rows, a.value_dim, a.out_rows(t.bh + h) + t.i0 * a.out_stride_l, a.out_stride_l);
     if (a.weights) ks.write_weights(a, t, bm, s[0]);

@@ -182,7 +182,9 @@ inline void prefetch_l1_once(const void* p) {
 // The rows a thread's next work item reads and writes (its query rows, key rows, value rows and
 // output rows), prefetched into L2 a few lines at a time while the thread's current item runs: the
 // score tiles call advance() once per step of keys (see attention.cpp for when the driver asks).
-struct ItemPrefetch {
+// Each thread's own updates its progress on every step: on cache lines of its own (64 bytes), not
+// sharing one with the neighbouring thread's in the driver's per-thread array.
+struct alignas(64) ItemPrefetch {
   struct Rows {
     const char* base = nullptr;
     int64_t rows = 0, stride = 0, lines = 0;  // stride in bytes; lines (64 bytes) per row

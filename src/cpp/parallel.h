@@ -7,7 +7,9 @@
 #pragma once
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
+#include <new>
 #include <vector>
 
 #if defined(PYATTN_OPENMP)
@@ -54,6 +56,50 @@ T* grow_only_scratch(size_t elems) {
   if (buffer.size() < elems + kSlack) buffer.resize(elems + kSlack);
   return buffer.data() + elements_to_line(buffer.data());
 }
+
+// Per-thread scratch of one parallel region: one slice per thread, each starting on its own page,
+// with kSliceGap untouched bytes between one slice's end and the next one's start. With the slices
+// laid end to end in one allocation (as until 2026-12-05), the thread whose slice came second ran
+// its items 25-30% slower whenever both threads worked, whichever thread it was, while the one whose
+// slice came first ran at its one-thread speed (Zen 5 VM, 1x12x128x64 float32, two threads, the
+// same half of the heads per thread every call: 11.4-12.3 against 8.8-9.1 us per item; the second
+// thread's items went back to 8.8 as soon as the first thread was done). No access crosses a slice
+// (with a guard page right after each slice, nothing faulted), so the likely cause is hardware
+// prefetching past the first slice's end into the second's start (its hottest lines, the score
+// block): lines that then move between the cores on every key block. Gap sizes, alternating in one
+// process (medians of 4 rounds, 1x12x128x64 / 8x12x128x64 / 32x12x128x64 ms): end to end 0.14 /
+// 1.13 / 5.5, pages of their own without a gap 0.14 / 1.09 / 5.2, 16 KiB 0.12 / 0.97 / 4.9, 64 KiB
+// 0.12 / 0.94 / 4.4, 256 KiB as 64. The gap is address space only: nothing touches it, so it never
+// gets memory behind it. A work item's running state that outlives the item (a split key range's
+// partial state) is kept in the thread's slice while the item runs and copied out once at its end
+// (such states side by side, written in place, made 1x2x1024x64 and 1x1x2048x64 8-10% slower than
+// with a 16 KiB gap between them). The attention driver against the
+// slices end to end (same process, alternating, 5 rounds): 1.05-1.26x faster on B x H x L x 64
+// calls from 1x12x128 to 1x16x1024 (no mask, causal, mask), the decode kernel unchanged
+// (0.995-1.03x).
+constexpr size_t kPageBytes = 4096;
+constexpr size_t kSliceGap = 64 * 1024;
+
+template <class T>
+class ThreadSlices {
+ public:
+  // No gap after the last slice (nothing follows it), and no memory at all for empty slices.
+  ThreadSlices(size_t elems, int threads)
+      : stride_((elems * sizeof(T) + kPageBytes - 1) / kPageBytes * kPageBytes + kSliceGap),
+        data_(elems == 0 ? nullptr
+                         : static_cast<char*>(::operator new(stride_ * size_t(threads > 1 ? threads - 1 : 0) + elems * sizeof(T),
+                                                             std::align_val_t(kPageBytes)))) {}
+  ~ThreadSlices() {
+    if (data_) ::operator delete(data_, std::align_val_t(kPageBytes));
+  }
+  ThreadSlices(const ThreadSlices&) = delete;
+  ThreadSlices& operator=(const ThreadSlices&) = delete;
+  T* slice(int thread) { return reinterpret_cast<T*>(data_ + stride_ * size_t(thread)); }
+
+ private:
+  size_t stride_;  // bytes from one slice to the next
+  char* data_;
+};
 
 // Forked children. GNU libgomp keeps its pool of worker threads for the next team, and a process
 // forked after a team ran (os.fork, multiprocessing's "fork" start method, pre-forking servers)
