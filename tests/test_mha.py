@@ -1139,6 +1139,8 @@ def test_linear_matches_matmul(isa, dtype, rng, with_bias):
         ({"num_kv_heads": 3}, "positive multiple of num_kv_heads"),
         ({"num_kv_heads": 0}, "positive multiple of num_kv_heads"),
         ({"head_dim": 5}, "must equal embed_dim"),
+        # num_heads * head_dim = 2**64: wraps to 0 in int64, which must not pass for embed_dim 0.
+        ({"num_heads": 2**33, "num_kv_heads": 2**33, "head_dim": 2**31, "embed_dim": 0}, "must equal embed_dim"),
     ],
 )
 def test_low_level_layer_entries_check_their_sizes(entry, bad, message):

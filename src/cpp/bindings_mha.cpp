@@ -141,7 +141,8 @@ void check_layer_dims(const std::vector<int64_t>& dims, int64_t num_heads, int64
     if (d < 0) fail("dims must be non-negative");
   if (num_heads < 1 || num_kv_heads < 1 || num_heads % num_kv_heads != 0)
     fail("num_heads must be a positive multiple of num_kv_heads");
-  if (num_heads * head_dim != embed_dim) fail("num_heads * head_dim must equal embed_dim");
+  // num_heads >= 1 and head_dim >= 0 here; a product past int64 never equals embed_dim.
+  if (head_dim > INT64_MAX / num_heads || num_heads * head_dim != embed_dim) fail("num_heads * head_dim must equal embed_dim");
 }
 
 // The layer's weights tuple (q, k, v, out projections, each packed or not, then their optional
