@@ -134,3 +134,34 @@ def test_forked_children_do_not_hang(when):
         assert threads == "1" and "single-threaded: this process was forked" in runtime, report
     else:
         assert threads == "2" and runtime == "libgomp (GNU)", report
+
+
+_SMALLER_TEAM = """
+import numpy as np, pyattn
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((2, 4, 200, 64), dtype=np.float32) for _ in range(3))
+cache = pyattn.KVCache(2, 2, 64, 600)
+cache.append(*(rng.standard_normal((2, 2, 500, 64), dtype=np.float32) for _ in range(2)))
+query = rng.standard_normal((2, 8, 1, 64), dtype=np.float32)
+cache.append(*(rng.standard_normal((2, 2, 1, 64), dtype=np.float32) for _ in range(2)))
+layer = pyattn.MultiHeadAttention(64, 4, seed=0)
+x = rng.standard_normal((3, 40, 64), dtype=np.float32)
+def run(n):
+    return (pyattn.scaled_dot_product_attention(q, k, v, is_causal=True, num_threads=n),
+            pyattn.scaled_dot_product_attention(q[:, :, :1], k, v, num_threads=n),
+            cache.attend(query, num_threads=n), layer(x, num_threads=n))
+print(int(all(np.array_equal(a, b) for a, b in zip(run(1), run(4)))))
+"""
+
+
+@pytest.mark.parametrize("limit", ["1", "3"])
+def test_every_item_runs_when_the_team_is_smaller_than_asked(limit):
+    """Each thread of a loop owns a range of the items and takes what is left of the others' once
+    its own are done (ItemRanges, parallel.h). OpenMP may start fewer threads than a call asks for
+    (OMP_THREAD_LIMIT here; nested regions, OMP_DYNAMIC): the ranges of threads that never started
+    must still run, by the ones that did. Four threads asked, one or three started: the same bits
+    as one thread (attention, a decode step, a layer). In a fresh interpreter for the limit."""
+    env = dict(os.environ, OMP_THREAD_LIMIT=limit)
+    done = subprocess.run([sys.executable, "-c", _SMALLER_TEAM], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "1", done.stdout
