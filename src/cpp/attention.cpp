@@ -7,8 +7,9 @@
 // machine busy (short queries, few heads: decode), each task's key range is also split into chunks;
 // every chunk produces a partial (m, l, acc) and the chunks are merged in a fixed order with
 // log-sum-exp rescaling. The decision depends only on the problem's shape, never on the thread
-// count, so the result is bitwise identical for any number of threads. Tasks are handed out
-// dynamically, last query blocks first: under a causal mask they are the longest. When the arrays
+// count, so the result is bitwise identical for any number of threads. Each thread runs its own
+// range of the tasks (ItemRanges, parallel.h), then helps with what is left of the others'; within a
+// head, last query blocks first: under a causal mask they are the longest. When the arrays
 // come from memory in small pieces (many short heads), each thread claims its next item before
 // starting the current one and prefetches the next item's rows while it works (ItemPrefetch).
 //
@@ -43,8 +44,8 @@
 namespace pyattn {
 namespace {
 
-// Below this many tasks the key range is split: enough independent items for the dynamic schedule
-// to balance on machines with up to a few dozen cores.
+// Below this many tasks the key range is split: enough independent items for the threads to
+// balance (ItemRanges) on machines with up to a few dozen cores.
 constexpr int64_t kTaskTarget = 64;
 // A chunk of a split key range is at least this many key blocks (256 keys for float32 tiles), so the
 // merge (one pass over the chunk's accumulators) stays under 1% of the chunk's work.
@@ -872,7 +873,7 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
       ks.finalize(s[h].state, bm, t.rows, a.value_dim, a.out_rows(t.bh + h) + t.i0 * a.out_stride_l, a.out_stride_l);
     if (a.weights) ks.write_weights(a, t, bm, s[0]);
   };
-  // Claiming ahead only where it is used: elsewhere the schedule stays plain first-come.
+  // Claiming ahead only where it is used: elsewhere each item is claimed when its thread is free.
   if (prefetch_items) parallel_for_ahead(items, threads, run_item);
   else parallel_for(items, threads, [&](int64_t n) { run_item(n, -1); });
 
