@@ -2,8 +2,9 @@
 // The thread pool of the C++ core: OpenMP's, entered only through these helpers, so every parallel
 // region of pyattn (the attention driver, the projections' GEMM, mask packing, the machine ceilings)
 // is one of the two loops below: an item loop (ItemRanges: each thread its own range of the items,
-// then what is left of the others'), or the same with each thread claiming its next item ahead. The team size is per call (num_threads), never a global setting;
-// built without OpenMP, both loops run serially.
+// then what is left of the others'), or the same with each thread claiming its next item ahead.
+// The team size is per call (num_threads), never a global setting; built without OpenMP, both
+// loops run serially.
 #pragma once
 
 #include <atomic>
@@ -74,10 +75,9 @@ T* grow_only_scratch(size_t elems) {
 // gets memory behind it. A work item's running state that outlives the item (a split key range's
 // partial state) is kept in the thread's slice while the item runs and copied out once at its end
 // (such states side by side, written in place, made 1x2x1024x64 and 1x1x2048x64 8-10% slower than
-// with a 16 KiB gap between them). The attention driver against the
-// slices end to end (same process, alternating, 5 rounds): 1.05-1.26x faster on B x H x L x 64
-// calls from 1x12x128 to 1x16x1024 (no mask, causal, mask), the decode kernel unchanged
-// (0.995-1.03x).
+// with a 16 KiB gap between them). The attention driver against the slices end to end (same
+// process, alternating, 5 rounds): 1.05-1.26x faster on B x H x L x 64 calls from 1x12x128 to
+// 1x16x1024 (no mask, causal, mask), the decode kernel unchanged (0.995-1.03x).
 constexpr size_t kPageBytes = 4096;
 constexpr size_t kSliceGap = 64 * 1024;
 
@@ -87,9 +87,7 @@ class ThreadSlices {
   // No gap after the last slice (nothing follows it), and no memory at all for empty slices.
   ThreadSlices(size_t elems, int threads)
       : stride_((elems * sizeof(T) + kPageBytes - 1) / kPageBytes * kPageBytes + kSliceGap),
-        data_(elems == 0 ? nullptr
-                         : static_cast<char*>(::operator new(stride_ * size_t(threads > 1 ? threads - 1 : 0) + elems * sizeof(T),
-                                                             std::align_val_t(kPageBytes)))) {}
+        data_(elems == 0 ? nullptr : allocate(stride_ * size_t(threads > 1 ? threads - 1 : 0) + elems * sizeof(T))) {}
   ~ThreadSlices() {
     if (data_) ::operator delete(data_, std::align_val_t(kPageBytes));
   }
@@ -98,6 +96,9 @@ class ThreadSlices {
   T* slice(int thread) { return reinterpret_cast<T*>(data_ + stride_ * size_t(thread)); }
 
  private:
+  static char* allocate(size_t bytes) {
+    return static_cast<char*>(::operator new(bytes, std::align_val_t(kPageBytes)));
+  }
   size_t stride_;  // bytes from one slice to the next
   char* data_;
 };
@@ -213,8 +214,9 @@ void parallel_for(int64_t count, int threads, F&& body) {
 
 // Runs body(n, next) for n in [0, count) on up to `threads` threads, scheduled like parallel_for,
 // where `next` is the item the same thread runs after n (-1: not known yet), claimed before n starts
-// so that n's body can prefetch what `next` reads. Claimed ahead only from the thread's own range,
-// so no thread holds in reserve an item that another thread is waiting for.
+// so that n's body can prefetch what `next` reads. Claimed ahead only from the thread's own range
+// (what a thread takes from the others' ranges it takes one item at a time), so a thread holds at
+// most one item in reserve, and only one it would run next anyway.
 template <class F>
 void parallel_for_ahead(int64_t count, int threads, F&& body) {
   auto run = [&](ItemRanges& ranges, int t) {
