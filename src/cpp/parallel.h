@@ -81,12 +81,18 @@ T* grow_only_scratch(size_t elems) {
 constexpr size_t kPageBytes = 4096;
 constexpr size_t kSliceGap = 64 * 1024;
 
+// Elements of T from one thread's slice of `elems` to the next: whole pages, then the gap.
+template <class T>
+size_t slice_stride(size_t elems) {
+  return ((elems * sizeof(T) + kPageBytes - 1) / kPageBytes * kPageBytes + kSliceGap) / sizeof(T);
+}
+
 template <class T>
 class ThreadSlices {
  public:
   // No gap after the last slice (nothing follows it), and no memory at all for empty slices.
   ThreadSlices(size_t elems, int threads)
-      : stride_((elems * sizeof(T) + kPageBytes - 1) / kPageBytes * kPageBytes + kSliceGap),
+      : stride_(slice_stride<T>(elems) * sizeof(T)),
         data_(elems == 0 ? nullptr : allocate(stride_ * size_t(threads > 1 ? threads - 1 : 0) + elems * sizeof(T))) {}
   ~ThreadSlices() {
     if (data_) ::operator delete(data_, std::align_val_t(kPageBytes));
