@@ -111,21 +111,6 @@ size_t padded(size_t elems, size_t elem_size) {
   return (elems + per_line - 1) / per_line * per_line;
 }
 
-// A cache-line aligned buffer of n elements of T, left uninitialised: every kernel writes its
-// scratch before reading it (zero-filling the ~100 KB of a 2-thread call's scratch cost ~1 us).
-template <class T>
-class AlignedBuffer {
- public:
-  explicit AlignedBuffer(size_t n) : data_(static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(kAlign)))) {}
-  ~AlignedBuffer() { ::operator delete(data_, std::align_val_t(kAlign)); }
-  AlignedBuffer(const AlignedBuffer&) = delete;
-  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
-  T* data() { return data_; }
-
- private:
-  T* data_;
-};
-
 // Carves one item's running state (acc, m, l) out of `base`.
 template <class T>
 RowState<T> state_at(T* base, int64_t block_rows, int64_t value_dim) {
