@@ -75,8 +75,7 @@ void linear(const GemmArgs<T>& g, int num_threads) {
   // they cost pyattn.mha with E = 768 1.7-2.3% at L = 128 (B = 1 and 8; 1.00x at L = 512).
   const size_t per_thread = as_is ? 0 : size_t(group * g.k * ks.gemm_panel);
   const size_t stride = slice_stride<T>(per_thread);
-  T* const scratch =
-      as_is ? nullptr : grow_only_scratch<PackScratch, T>(std::max<size_t>(1, stride * size_t(threads - 1) + per_thread));
+  T* const scratch = as_is ? nullptr : grow_only_scratch<PackScratch, T>(std::max<size_t>(1, slices_span<T>(per_thread, threads)));
   auto body = [&](int64_t t) {
     const int64_t rb = t / groups, p0 = t % groups * group, p1 = std::min(panels, p0 + group);
     const int64_t r0 = rb * task_rows, r1 = std::min(g.m, r0 + task_rows);

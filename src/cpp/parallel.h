@@ -106,13 +106,17 @@ size_t slice_stride(size_t elems) {
   return ((elems * sizeof(T) + kPageBytes - 1) / kPageBytes * kPageBytes + kSliceGap) / sizeof(T);
 }
 
+// Elements of T that `threads` slices of `elems` take laid out slice_stride apart: no gap after the
+// last one (nothing follows it), nothing at all for empty slices.
+template <class T>
+size_t slices_span(size_t elems, int threads) {
+  return elems == 0 ? 0 : slice_stride<T>(elems) * size_t(threads > 1 ? threads - 1 : 0) + elems;
+}
+
 template <class T>
 class ThreadSlices {
  public:
-  // No gap after the last slice (nothing follows it), and no memory at all for empty slices.
-  ThreadSlices(size_t elems, int threads)
-      : stride_(slice_stride<T>(elems)),
-        buffer_(elems == 0 ? 0 : stride_ * size_t(threads > 1 ? threads - 1 : 0) + elems) {}
+  ThreadSlices(size_t elems, int threads) : stride_(slice_stride<T>(elems)), buffer_(slices_span<T>(elems, threads)) {}
   T* slice(int thread) { return buffer_.data() + stride_ * size_t(thread); }
 
  private:
@@ -185,26 +189,25 @@ class ItemRanges {
   // The next item for thread t (its own range first, then the others' in turn), or -1: none left.
   int64_t claim(int t) {
     for (int i = 0; i < parts_; ++i) {
-      Cursor& c = cursor_[(t + i) % parts_];
-      if (c.next.load(std::memory_order_relaxed) >= c.end) continue;
-      const int64_t n = c.next.fetch_add(1, std::memory_order_relaxed);
-      if (n < c.end) return n;
+      const int64_t n = take(cursor_[(t + i) % parts_]);
+      if (n >= 0) return n;
     }
     return -1;
   }
   // The next item of thread t's own range, or -1 (for claiming ahead: parallel_for_ahead).
-  int64_t claim_own(int t) {
-    Cursor& c = cursor_[t % parts_];
-    if (c.next.load(std::memory_order_relaxed) >= c.end) return -1;
-    const int64_t n = c.next.fetch_add(1, std::memory_order_relaxed);
-    return n < c.end ? n : -1;
-  }
+  int64_t claim_own(int t) { return take(cursor_[t % parts_]); }
 
  private:
   struct alignas(kCacheLine) Cursor {  // a line each: every claim writes one
     std::atomic<int64_t> next{0};
     int64_t end = 0;
   };
+  // The next item of one range, or -1 (the load first: a finished range is not written again).
+  static int64_t take(Cursor& c) {
+    if (c.next.load(std::memory_order_relaxed) >= c.end) return -1;
+    const int64_t n = c.next.fetch_add(1, std::memory_order_relaxed);
+    return n < c.end ? n : -1;
+  }
   int parts_;
   std::unique_ptr<Cursor[]> cursor_;
 };
