@@ -94,11 +94,12 @@ def test_tile_widths(isa, dtype, rng, q_len, variant):
 # vectors evenly, the causal diagonal's first row vectors) run wider register tiles: more key and
 # value columns per tile (AVX2 float32: 2 x 6 and 1 x 12; AVX-512: 3 x 5, 2 x 8, 1 x 16), then
 # 4-column tiles, then single columns; P.V tiles of AVX-512 take more value columns still where the
-# registers allow (4 x 6, 3 x 8, 2 x 12; kernels.inc, value_cols). Tiles of one row vector (a query of at most one vector; up to
-# 8 rows only with the weights, which the decode kernel does not write) and of two (q_len 12, 32,
-# 40, 80: blocks of 2 vectors on AVX2 float32; 32, 80 on AVX-512) on every ISA and dtype, value and
-# key counts around those widths, forbidden keys whose V rows are NaN (the guarded P.V tiles), the
-# lower-right causal diagonal, and the weights.
+# registers allow (4 x 6, 3 x 8, 2 x 12; kernels.inc, value_cols). Tiles of one row vector (a query
+# of at most one vector; up to 8 rows only with the weights, which the decode kernel does not write)
+# and of two (q_len 12, 32, 40, 80: blocks of 2 vectors on AVX2 float32; 32, 80 on AVX-512), of
+# three and four (80, 112), on every ISA and dtype, value and key counts around those widths,
+# forbidden keys whose V rows are NaN (the guarded P.V tiles), the lower-right causal diagonal, and
+# the weights.
 @pytest.mark.parametrize("q_len", [3, 8, 12, 20, 32, 40, 80, 112])
 @pytest.mark.parametrize("value_dim", [1, 3, 5, 6, 7, 8, 11, 12, 13, 17, 18, 24, 25, 33, 36, 49])
 def test_narrow_tile_columns(isa, dtype, rng, q_len, value_dim):
