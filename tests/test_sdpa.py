@@ -517,6 +517,16 @@ def test_scale(isa, dtype, rng, scale):
     check_against_reference(q, k, v, random_mask(rng, (17, 75), "bool", dtype), scale=scale)
 
 
+@pytest.mark.parametrize("q_len", [1, 40])  # the decode kernel, the tiles
+def test_scores_far_apart(isa, dtype, rng, q_len):
+    """Scores hundreds apart (scale 40: each row's spread is several hundred in log2 units), so most
+    weights fall below the smallest normal number relative to the row's largest, where exp2 returns
+    exactly 0 without clamping its argument (simd.h): the result is still the reference's."""
+    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=2, q_len=q_len, kv_len=300, head_dim=16)
+    check_against_reference(q, k, v, random_mask(rng, (q_len, 300), "bool", dtype), scale=40.0)
+    check_against_reference(q, k, v, None, scale=40.0, is_causal=True)
+
+
 def test_default_scale(isa, dtype, rng):
     q, k, v = make_qkv(rng, dtype, q_heads=2, q_len=17, kv_len=19, head_dim=36)
     assert_close(sdpa(q, k, v), sdpa(q, k, v, scale=1 / 6).astype(np.float64), dtype)
