@@ -528,9 +528,10 @@ def test_cache_storage_placement(name):
     # A decode step streams a float32/float64 cache with 64-byte vector loads: its storage starts on a
     # cache line (NumPy puts large arrays 16 bytes past a page, which splits every load). 16-bit
     # storage starts 16 bytes past one, which measured faster from L3 and memory, except bfloat16 on
-    # Zen 5 (AMD, CPUID family 1Ah), on a line there.
+    # Zen 5 (AMD, CPUID family 1Ah) and on Intel, on a line there.
     dtype = np_dtype(name)
-    start = 16 if dtype.itemsize == 2 and not (name == "bfloat16" and is_zen5()) else 0
+    intel = pyattn._core.cpu_vendor() == "GenuineIntel"
+    start = 16 if dtype.itemsize == 2 and not (name == "bfloat16" and (is_zen5() or intel)) else 0
     for max_len in (3, 1000, 70000):
         cache = pyattn.KVCache(2, 3, 40, max_len, value_dim=24, dtype=name)
         assert cache.keys(0).ctypes.data % 64 == start and cache.values(0).ctypes.data % 64 == start
@@ -539,8 +540,8 @@ def test_cache_storage_placement(name):
 
 @pytest.mark.parametrize("aligned", [False, True], ids=["16_bytes_past_a_line", "on_a_line"])
 def test_bfloat16_cache_either_placement(isa, rng, monkeypatch, aligned):
-    """A bfloat16 cache's storage starts where the CPU reads it fastest (on a line on Zen 5, 16 bytes
-    past one elsewhere): a decode step over either placement (GQA and one row per K/V row, ragged
+    """A bfloat16 cache's storage starts where the CPU reads it fastest (on a line on Zen 5 and Intel,
+    16 bytes past one elsewhere): a decode step over either placement (GQA and one row per K/V row, ragged
     lengths, 3 new tokens, head_dim with and without a tail) matches the reference, so each CPU
     also tests the placement the others take."""
     monkeypatch.setattr(pyattn._cache, "_BFLOAT16_ALIGNED", aligned)
