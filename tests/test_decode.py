@@ -1423,13 +1423,18 @@ def test_decode_16_bit_blocks_of_32_or_64_keys(isa, rng, name, keys, streams, he
 
 @pytest.mark.parametrize("kv_heads, q_len, keys", [(8, 1, 64), (32, 1, 32), (32, 4, 64), (16, 1, 32)])
 def test_decode_16_bit_block_by_default(isa, rng, kv_heads, q_len, keys):
-    """The default block of 16-bit K/V read in place: 64 keys on Zen 5 (CPUID family 1Ah, AMD) where
-    4+ query rows share each K/V row (32 query heads over 8 K/V heads, or 4 new tokens over 32), 32
-    with fewer and on every other CPU. The block sets where the softmax's running maximum moves, so
-    the default call's bits show which one it took."""
-    if not is_zen5():
-        keys = 32
+    """The default block of 16-bit K/V read in place: 64 keys where 4+ query rows share each K/V row
+    (32 query heads over 8 K/V heads, or 4 new tokens over 32) on Zen 5 (CPUID family 1Ah, AMD), and
+    on Intel where K and V take less than half the last-level cache; 32 with fewer rows and on every
+    other CPU. The block sets where the softmax's running maximum moves, so the default call's bits
+    show which one it took."""
     lengths = [3000]
+    info = pyattn.runtime_info()
+    llc = max(info["l3_cache_bytes"], info["l2_cache_bytes"])
+    kv_bytes = kv_heads * lengths[0] * 2 * 128 * 2  # K and V, float16
+    intel_long = info["cpu_vendor"] == "GenuineIntel" and llc > 0 and 2 * kv_bytes < llc
+    if not (is_zen5() or intel_long):
+        keys = 32
     cache, q, new = ragged_cache_step(rng, "float16", lengths, kv_heads, 32, 128, q_len)
     assert_default_takes(lambda: cache.attend(q, num_threads=2), decode_block16, (32, 64), keys)
 

@@ -447,10 +447,14 @@ DecodeRules decode_rules(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_t
   // 32 and 64 alternating in one process, medians of 7-9 rounds, float16 and bfloat16): 8 K/V heads
   // 1k-4k keys 1.10-1.16x, 16k-64k 1.46-1.57x, B = 8 at 4k 1.44-1.45x, 4 K/V heads 16k 1.30x, 4
   // new tokens per step over 8 and 32 K/V heads 1.23x and 1.10x; with fewer rows per K/V row it
-  // loses from memory (2 rows 0.88-0.96x, one row 0.92-0.98x; 1.06-1.11x from the L3). Other cores
+  // loses from memory (2 rows 0.88-0.96x, one row 0.92-0.98x; 1.06-1.11x from the L3). On Intel
+  // too where the K/V rows stay in the last-level cache (from_memory above: the step is then bound by
+  // its arithmetic): a Sapphire Rapids-class Xeon VM (480 MiB L3), 8 K/V heads, same method, 11
+  // rounds, 32 / 64: float16 1k 1.054x, 4k 1.020x, 16k 1.018x, B = 8 at 4k 1.030x, bfloat16 1.050x,
+  // 1.017x, 1.021x, 1.028x; from memory (64k, 256 MiB) 0.970x and 0.981x, which keeps 32. Other cores
   // keep 32, measured on Zen 4 before software prefetching (64 and 128 were 35-50% slower there).
   const int block16 = g_decode_block16.load(std::memory_order_relaxed);
-  const bool long_blocks = cpu_is_amd_zen5_on() && four_rows;
+  const bool long_blocks = four_rows && (cpu_is_amd_zen5_on() || (cpu_is_intel() && !from_memory));
   r.block16 = block16 > 0 ? block16 : long_blocks ? 64 : 32;
   // Interleaved K/V heads (attend_decode): read across the heads everywhere but on Zen 5, where the
   // chunks, with its decode rule above (one software-prefetched stream), are the faster reading
