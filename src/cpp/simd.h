@@ -138,15 +138,20 @@ struct Simd<float> {
   static constexpr int lanes = 16;
   static constexpr int row_vecs = 4;  // 4x4 zmm accumulators: 16 chains, 8 loads per 16 FMAs
   static constexpr int col_tile = 4;
-  // P.V register tiles written out 4 keys at a time (kernels.inc, value_tile): the tile kernel alone
+  // The reduction loops of the two register-tiled products, P.V over the keys (kernels.inc,
+  // value_tile) and the GEMM over k (gemm.inc, gemm_tile), written out 4 steps per trip. P.V: the tile kernel alone
   // (tools/tile_harness.cpp, Sapphire Rapids-class Xeon, one thread, % of the FMA peak, old and new
   // binaries alternating, 2-3 rounds) 1024 x 1024 x 64 80.0-80.6 -> 81.8-82.6, x 128 84.2-84.5 ->
   // 87.0-87.6, 2048^2 x 64 80.4-82.7 -> 82.9-85.4, 4096^2 x 64 77.9-78.6 -> 80.2-81.1, 128^2 x 64
   // 75.7-76.2 -> 75.7-76.8, causal 1024^2 x 64 76.1-77.1 -> 77.7-78.3, causal 128^2 x 64 54.6-55.2 ->
   // 53.6-54.1 (the one loss); the key loop's pointer and counter updates, three per 24 FMAs, were the
   // only scalar work left beside the FMA ports. Unrolled by 2: 0.5-1 point below 4 (4096^2 -1 to -4);
-  // the score tiles' head_dim loop unrolled as well: no further change. Not measured on AMD.
-  static constexpr int key_unroll = 4;
+  // the score tiles' head_dim loop unrolled as well: no further change. GEMM (tools/gemm_harness.cpp,
+  // same host, 3 rounds, M x N x K): 1344 x 2304 x 768 91.9-94.6 -> 95.3-97.2% of the peak, 4096 x 3072
+  // x 768 92.6-94.7 -> 95.2-97.5, 1344 x 768 x 3072 92.2-92.8 -> 95.3-96.3 (the harness's plain tile,
+  // the same code in both binaries, moved 0-3 points the same way: about half of that is drift).
+  // Each accumulator still sums in order: the same bits. Not measured on AMD.
+  static constexpr int reduce_unroll = 4;
   static constexpr int gemm_rows = 6;  // GEMM: 6 rows x 4 zmm = 24 accumulators, 10 loads per 24 FMAs
   static constexpr int gemm_vecs = 4;
   static constexpr int vec_regs = 32;  // architectural vector registers (zmm0-31)
@@ -297,7 +302,7 @@ struct Simd<double> {
   static constexpr int col_tile = 4;
   // As float (the tile kernel alone in float64, % of the float FMA peak, old -> new: 1024^2 x 64 37.0 ->
   // 37.8-37.9, x 128 33.0-35.0 -> 36.5-39.2, 2048^2 x 64 31.4-33.2 -> 33.6-33.7, 128^2 x 64 35.5 -> 35.1-35.4).
-  static constexpr int key_unroll = 4;
+  static constexpr int reduce_unroll = 4;
   static constexpr int gemm_rows = 6;
   static constexpr int gemm_vecs = 4;
   static constexpr int vec_regs = 32;
@@ -398,10 +403,11 @@ struct Simd<float> {
   // L but 20% slower for 12-row decode chunks (2x3 tiles: 6 chains, latency-bound).
   static constexpr int row_vecs = 3;
   static constexpr int col_tile = 4;
-  // P.V key loop kept rolled: written out 4 keys at a time it measured 1024^2 x 64 and x 128 the same
-  // and 4096^2 x 64 2-4 points of the FMA peak slower (AVX2 kernels forced on a Sapphire Rapids-class
-  // Xeon, tile harness; AVX-512 gains there, see above).
-  static constexpr int key_unroll = 1;
+  // Reduction loops kept rolled: written out 4 steps at a time, P.V measured 1024^2 x 64 and x 128
+  // the same and 4096^2 x 64 2-4 points of the FMA peak slower, the GEMM 1344 x 2304 x 768 and 1344 x
+  // 768 x 3072 0-4 points slower (AVX2 kernels forced on a Sapphire Rapids-class Xeon, the tile and
+  // GEMM harnesses; AVX-512 gains there, see above).
+  static constexpr int reduce_unroll = 1;
   // GEMM: 6 rows x 2 ymm = 12 accumulators + 2 loads + 1 broadcast; each W vector, streamed from L2,
   // serves 6 rows. 4 x 3 (3 W loads per 4 broadcasts) measured 2-5% faster with the AVX2 kernels
   // forced on an AVX-512 host (2026-11-30), but on Zen 3, a CPU whose best ISA is AVX2 (so where
@@ -538,7 +544,7 @@ struct Simd<double> {
   // 108-124 -> 95 ms, 1x12x128x64 1.26-1.31 -> 1.16, 12-row GQA chunks over 4096 keys 26.7-30.8 -> 20.7.
   static constexpr int row_vecs = 3;
   static constexpr int col_tile = 4;
-  static constexpr int key_unroll = 1;  // as float
+  static constexpr int reduce_unroll = 1;  // as float
   static constexpr int gemm_rows = 6;  // as float
   static constexpr int gemm_vecs = 2;
   static constexpr int vec_regs = 16;
@@ -622,7 +628,7 @@ struct Simd {
   static constexpr int lanes = 1;
   static constexpr int row_vecs = 4;  // 4 rows x 4 keys of scalar accumulators
   static constexpr int col_tile = 4;
-  static constexpr int key_unroll = 1;  // the compiler's choice
+  static constexpr int reduce_unroll = 1;  // the compiler's choice
   static constexpr int gemm_rows = 4;
   static constexpr int gemm_vecs = 4;
   static constexpr int vec_regs = 0;  // plain scalars: no vector register tiles
