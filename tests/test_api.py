@@ -437,6 +437,9 @@ def test_runtime_info_keys():
     # CPUID's display family (the AMD decode rule keys on it too): 0 off x86, else 3..0xff + 0xf.
     family = pyattn._core.cpu_family()
     assert (family == 0) == (vendor == "") and 0 <= family <= 0xF + 0xFF
+    # The per-vendor rules' predicates (the driver's decode rules and KVCache's placement use them).
+    assert pyattn._core.cpu_is_intel() == (vendor == "GenuineIntel")
+    assert pyattn._core.cpu_is_amd_zen5_on() == (vendor == "AuthenticAMD" and family >= 0x1A)
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 63, 255, 257, 4096 + 17])

@@ -88,15 +88,16 @@ bool kv_heads_interleave(const AttnArgs<T>& a) {
 }
 
 // The CPU vendor, for the prefetch rules measured per vendor (compared once, not per call).
-bool cpu_is_intel() {
-  static const bool intel = std::strcmp(cpu_vendor(), "GenuineIntel") == 0;
-  return intel;
-}
 bool cpu_is_amd() {
   static const bool amd = std::strcmp(cpu_vendor(), "AuthenticAMD") == 0;
   return amd;
 }
 }  // namespace
+
+bool cpu_is_intel() {
+  static const bool intel = std::strcmp(cpu_vendor(), "GenuineIntel") == 0;
+  return intel;
+}
 
 // AMD's family 1Ah (Zen 5) and later, whose decode rule was measured apart from Zen 3/4's (family 19h).
 bool cpu_is_amd_zen5_on() {

@@ -364,6 +364,9 @@ int64_t cache_bytes(int level);
 const char* cpu_vendor();
 // CPUID's display family (base + extended: 0x19 for AMD Zen 3/4, 0x1A for Zen 5, 6 for Intel cores), 0 off x86.
 int cpu_family();
+// An Intel core (CPUID vendor "GenuineIntel"), which has decode rules and a bfloat16 KVCache
+// placement of its own (attention.cpp decode_rules, _cache.py).
+bool cpu_is_intel();
 // An AMD core of family 1Ah or later (Zen 5 on), which has per-core rules of its own (attention.cpp
 // decode_rules, the KVCache's bfloat16 placement in _cache.py).
 bool cpu_is_amd_zen5_on();

@@ -581,6 +581,7 @@ PYBIND11_MODULE(_core, m) {
         "Bytes of this CPU's level 1-3 data cache per core, from CPUID (0 where it does not say).");
   m.def("cpu_vendor", []() { return std::string(cpu_vendor()); }, "CPUID's vendor string, '' off x86.");
   m.def("cpu_family", &cpu_family, "CPUID's display family (0x19: AMD Zen 3/4, 0x1A: Zen 5), 0 off x86.");
+  m.def("cpu_is_intel", &cpu_is_intel, "An Intel core (CPUID vendor 'GenuineIntel'), which has rules of its own.");
   m.def("cpu_is_amd_zen5_on", &cpu_is_amd_zen5_on,
         "An AMD core of family 1Ah or later (Zen 5 on), which has per-core rules of its own.");
   m.def("openmp_runtime", []() { return std::string(openmp_runtime()); });

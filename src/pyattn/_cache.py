@@ -62,7 +62,7 @@ _START = {2: 16, 4: 0, 8: 0}
 # float32 step's speed), 1.03x with 32 at 1k and for B = 8 at 4k, 0.99x with 8 at 64k, but
 # 0.97-0.985x with 32 at 4k-16k (one query row per K/V row, where the loads, not the arithmetic, set
 # the pace); float16 0.99-1.03x, kept.
-_BFLOAT16_ALIGNED = _core.cpu_is_amd_zen5_on() or _core.cpu_vendor() == "GenuineIntel"
+_BFLOAT16_ALIGNED = _core.cpu_is_amd_zen5_on() or _core.cpu_is_intel()
 
 
 def _storage_start(dtype):

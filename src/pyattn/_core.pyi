@@ -167,6 +167,12 @@ def cpu_vendor() -> str:
 def cpu_family() -> int:
     """CPUID's display family (base + extended: 0x19 AMD Zen 3/4, 0x1A Zen 5, 6 Intel cores), 0 off x86."""
 
+def cpu_is_intel() -> bool:
+    """An Intel core (CPUID vendor 'GenuineIntel'), which has rules of its own."""
+
+def cpu_is_amd_zen5_on() -> bool:
+    """An AMD core of family 1Ah or later (Zen 5 on), which has per-core rules of its own."""
+
 def cache_bytes(level: int) -> int:
     """Bytes of this CPU's level 1-3 data cache per core, from CPUID (0 where it does not say)."""
 
