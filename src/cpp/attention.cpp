@@ -736,7 +736,13 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
   // at 1.5-6 MiB, 1.04x at 9 MiB, 1.00-1.08x at 12 MiB, 1.09x at 18, 1.13x at 24, 1.12x at 48. Half
   // the LLC, the rule before 2026-12-03, left the 48 MiB call of the second host without; an eighth
   // (60 and 13 MiB) sorts every clear case of both hosts, and gives up the second's 9-12 MiB.
-  const int64_t cached_bytes = cpu_is_amd() && l2 > 0 ? std::min(llc / 2, 16 * l2) : llc / 8;
+  // But what a guest keeps of a 480 MiB L3 changes with its neighbours: the 48-50 MiB call measured
+  // 0.94x, 1.04x, 1.20x and 1.27x in four sessions, and on 2026-12-06 (the same host, a streaming
+  // read at L3 speed up to 96 MiB; -1 / 2 alternating in one process, medians of 11 rounds) 25 MiB
+  // 1.01x, 32 MiB (8 x 16 x 256 x 64) 1.15x, 33 MiB 1.27x, 37.5 MiB 1.15x (B x 12 x 64 x 64: 1.15x),
+  // 50 MiB 1.27x, against a cost of at most 6% where the arrays did stay. So Intel too stops at 16
+  // L2s (32 MiB there), as AMD does; the 105 MiB host keeps its eighth (13 MiB).
+  const int64_t cached_bytes = l2 > 0 ? std::min(cpu_is_amd() ? llc / 2 : llc / 8, 16 * l2) : llc / 8;
   const int64_t item_bytes = block_rows * (a.head_dim + a.value_dim) * int64_t(sizeof(T)) +
                              std::min(a.kv_len, split.chunk) * kv_row_bytes;
   const int64_t call_bytes = a.batch_heads * a.q_len * (a.head_dim + a.value_dim) * int64_t(sizeof(T)) +
