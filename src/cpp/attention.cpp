@@ -741,8 +741,9 @@ void scaled_dot_product_attention(const AttnArgs<T>& in, int num_threads) {
   // read at L3 speed up to 96 MiB; -1 / 2 alternating in one process, medians of 11 rounds) 25 MiB
   // 1.01x, 32 MiB (8 x 16 x 256 x 64) 1.15x, 33 MiB 1.27x, 37.5 MiB 1.15x (B x 12 x 64 x 64: 1.15x),
   // 50 MiB 1.27x, against a cost of at most 6% where the arrays did stay. So Intel too stops at 16
-  // L2s (32 MiB there), as AMD does; the 105 MiB host keeps its eighth (13 MiB).
-  const int64_t cached_bytes = l2 > 0 ? std::min(cpu_is_amd() ? llc / 2 : llc / 8, 16 * l2) : llc / 8;
+  // L2s (32 MiB there), as AMD does; the 105 MiB host keeps its eighth (13 MiB). (An unknown L2
+  // gives 0 here, but prefetch_items below requires a known one.)
+  const int64_t cached_bytes = std::min(cpu_is_amd() ? llc / 2 : llc / 8, 16 * l2);
   const int64_t item_bytes = block_rows * (a.head_dim + a.value_dim) * int64_t(sizeof(T)) +
                              std::min(a.kv_len, split.chunk) * kv_row_bytes;
   const int64_t call_bytes = a.batch_heads * a.q_len * (a.head_dim + a.value_dim) * int64_t(sizeof(T)) +
