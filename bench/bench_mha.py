@@ -454,7 +454,7 @@ def gemm_row(pyattn, case: GemmCase, args, peak) -> dict:
     packed, panel = pyattn._core.pack_weights(w)
     # pyattn's output on a cache line, as the layer's own intermediates are (its C stores are whole
     # lines then); NumPy's as NumPy allocates it, torch's as torch.empty does (64-byte aligned).
-    out = pyattn._api._allocate((case.m, case.n), DTYPE, "out")
+    out = pyattn._arrays.allocate((case.m, case.n), DTYPE, "out")
     out_np = np.empty((case.m, case.n), dtype=DTYPE)
     w_t = w.T
     fns = {

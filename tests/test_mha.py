@@ -1156,7 +1156,7 @@ def test_low_level_layer_entries_check_their_sizes(entry, bad, message):
             dims = [sizes[n] for n in ("batch", "q_len", "kv_len", "embed_dim")] + [8, 8] + [
                 sizes[n] for n in ("num_heads", "num_kv_heads", "head_dim")
             ]
-            pyattn._core.mha(x, x, x, weights, dims, [], 0, 0, out, None, 1)
+            pyattn._core.mha(x, x, x, weights, dims, [], False, out, None, 1)
         else:
             dims = [sizes[n] for n in ("batch", "q_len", "embed_dim", "num_heads", "num_kv_heads", "head_dim")]
             cache = np.zeros((1, 2, 4, 4), np.float32)

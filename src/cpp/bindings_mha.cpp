@@ -33,7 +33,7 @@ template <class T>
 py::array_t<T> pack_weights_t(const py::array& w) {
   const KernelSet<T>& ks = active_set<T>();
   const int64_t n = w.shape(0), k = w.shape(1), panel = ks.gemm_panel;
-  py::array_t<T> packed = array_on_line(py::dtype::of<T>(), {py::ssize_t(packed_elems(n, k, panel))}, "packed weight");
+  py::array_t<T> packed = array_on_line(py::dtype::of<T>(), Dims{packed_elems(n, k, panel)}, "packed weight");
   check_aligned("weight", w);
   if (w.size() > 0 && k > 1 && w.strides(1) != py::ssize_t(sizeof(T))) fail("weight: last axis must be contiguous");
   const T* src = static_cast<const T*>(w.data());
@@ -159,8 +159,8 @@ void layer_weights(const py::tuple& w, int64_t embed_dim, int64_t kv_width, int6
 
 template <class T>
 void run_mha(const py::array& xq, const py::array& xk, const py::array& xv, const py::tuple& w,
-             const std::vector<int64_t>& dims, const py::list& masks, int64_t causal, int64_t causal_offset,
-             py::array& out, const py::object& weights_obj, int num_threads) {
+             const std::vector<int64_t>& dims, const py::list& masks, Causal causal, py::array& out,
+             const py::object& weights_obj, int num_threads) {
   MhaArgs<T> m;
   m.batch = dims[0];
   m.q_len = dims[1];
@@ -196,8 +196,8 @@ void run_mha(const py::array& xq, const py::array& xk, const py::array& xv, cons
     m.masks[x] = mask_slot<T>(name.c_str(), t[1], py::dtype::of<T>(), keep.back().data(), t[3].cast<int64_t>(),
                               t[4].cast<int64_t>(), t[5].cast<bool>(), batch_heads, m.q_len, m.kv_len);
   }
-  m.causal = causal != 0;
-  m.causal_offset = causal_offset;
+  m.causal = causal != Causal::none;
+  m.causal_offset = causal_offset(causal, m.q_len, m.kv_len);
   check_output("out", out, py::dtype::of<T>(), checked_mul(q_rows, m.embed_dim));
   m.out = static_cast<T*>(out.mutable_data());
   if (!weights_obj.is_none()) {
@@ -205,17 +205,18 @@ void run_mha(const py::array& xq, const py::array& xk, const py::array& xv, cons
     check_output("weights", weights, py::dtype::of<T>(), checked_mul(checked_mul(batch_heads, m.q_len), m.kv_len));
     m.weights = static_cast<T*>(weights.mutable_data());
   }
-  if (num_threads < 0) fail("num_threads must be >= 1 (or 0 for the default)");
   py::gil_scoped_release release;
   multi_head_attention<T>(m, num_threads);
 }
 
 void mha_py(const py::array& xq, const py::array& xk, const py::array& xv, const py::tuple& w,
-            const std::vector<int64_t>& dims, const py::list& masks, int64_t causal, int64_t causal_offset,
-            py::array out, const py::object& weights, int num_threads) {
+            const std::vector<int64_t>& dims, const py::list& masks, py::handle is_causal, py::array out,
+            const py::object& weights, py::handle num_threads) {
   if (dims.size() != 9) fail("dims must have 9 entries");
-  if (is_float32(xq)) return run_mha<float>(xq, xk, xv, w, dims, masks, causal, causal_offset, out, weights, num_threads);
-  if (is_float64(xq)) return run_mha<double>(xq, xk, xv, w, dims, masks, causal, causal_offset, out, weights, num_threads);
+  const Causal causal = parse_causal(is_causal);
+  const int threads = parse_threads(num_threads);
+  if (is_float32(xq)) return run_mha<float>(xq, xk, xv, w, dims, masks, causal, out, weights, threads);
+  if (is_float64(xq)) return run_mha<double>(xq, xk, xv, w, dims, masks, causal, out, weights, threads);
   fail("query: dtype must be float32 or float64");
 }
 
@@ -285,23 +286,23 @@ void run_mha_cached(const py::array& x, const py::tuple& w, const std::vector<in
   m.left_padded = left_padded;
   check_output("out", out, py::dtype::of<T>(), checked_mul(rows, m.embed_dim));
   m.out = static_cast<T*>(out.mutable_data());
-  if (num_threads < 0) fail("num_threads must be >= 1 (or 0 for the default)");
   py::gil_scoped_release release;
   multi_head_attention_cached<T>(m, num_threads);
 }
 
 void mha_cached_py(const py::array& x, const py::tuple& w, const std::vector<int64_t>& dims, py::array k_cache,
                    py::array v_cache, int storage, const py::array& before, const py::array& after,
-                   bool left_padded, py::array out, int num_threads) {
+                   bool left_padded, py::array out, py::handle num_threads) {
   if (dims.size() != 6) fail("dims must have 6 entries");
   if (storage < 0 || storage > 2) fail("storage must be 0 (same), 1 (float16) or 2 (bfloat16)");
+  const int threads = parse_threads(num_threads);
   if (is_float32(x))
     return run_mha_cached<float>(x, w, dims, k_cache, v_cache, Storage(storage), before, after, left_padded, out,
-                                 num_threads);
+                                 threads);
   if (storage != 0) fail("query: must be float32 with a float16/bfloat16 cache");
   if (is_float64(x))
     return run_mha_cached<double>(x, w, dims, k_cache, v_cache, Storage(storage), before, after, left_padded, out,
-                                  num_threads);
+                                  threads);
   fail("query: dtype must be float32 or float64");
 }
 
@@ -314,8 +315,7 @@ void bind_mha(py::module_& m) {
   m.def("linear", &linear_py, py::arg("x"), py::arg("packed"), py::arg("panel"), py::arg("n"), py::arg("bias"),
         py::arg("out"), py::arg("num_threads"), "out = x @ W.T + bias with W packed by pack_weights.");
   m.def("mha", &mha_py, py::arg("xq"), py::arg("xk"), py::arg("xv"), py::arg("weights"), py::arg("dims"),
-        py::arg("masks"), py::arg("causal"), py::arg("causal_offset"), py::arg("out"), py::arg("attn_weights"),
-        py::arg("num_threads"), "Low-level multi-head attention entry; arguments prepared by pyattn._mha.");
+        py::arg("masks"), py::arg("is_causal"), py::arg("out"), py::arg("attn_weights"), py::arg("num_threads"), "Low-level multi-head attention entry; arguments prepared by pyattn._mha.");
   m.def("mha_cached", &mha_cached_py, py::arg("x"), py::arg("weights"), py::arg("dims"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("storage"), py::arg("lengths_before"), py::arg("lengths_after"),
         py::arg("left_padded"), py::arg("out"), py::arg("num_threads"),

@@ -8,7 +8,6 @@ threads) behind a NumPy API with PyTorch's names and semantics. See README.md.
 from __future__ import annotations
 
 from . import _core
-from . import _api
 from ._api import scaled_dot_product_attention
 from ._cache import KVCache
 from ._explain import Explanation, HeadSteps, explain, plot_heatmaps, render_text
@@ -51,7 +50,7 @@ def set_num_threads(n):
         raise TypeError(f"n: expected an int or None, got {type(n).__name__}")
     if n < 1:
         raise ValueError(f"n: must be >= 1, got {n}")
-    _core.set_num_threads(min(n, _api._MAX_THREADS))  # capped like num_threads= (a C int)
+    _core.set_num_threads(min(n, 2**31 - 1))  # capped like num_threads= (a C int)
 
 
 def get_num_threads():

@@ -13,12 +13,13 @@ the bytes a decode step streams, and the core converts it to float32 one block a
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from . import _core
-from ._api import _HALF_STORAGE, _LINE, _SUPPORTED, _allocate, _as_numpy, _is_half, _scale_value, _threads_value
+from ._arrays import COMPUTE_DTYPES, allocate, as_array, is_half
+
+# The kernels' codes for 16-bit storage.
+_HALF_STORAGE = {"float16": 1, "bfloat16": 2}
 
 
 def _storage_dtype(dtype):
@@ -34,7 +35,7 @@ def _storage_dtype(dtype):
         parsed = None
     # The dtypes scaled_dot_product_attention takes (native byte order: a big-endian float16 or
     # float32 still calls itself "float16" / "float32", but the kernels read the CPU's own numbers).
-    if parsed is None or (parsed not in _SUPPORTED and not _is_half(parsed)):
+    if parsed is None or (parsed not in COMPUTE_DTYPES and not is_half(parsed)):
         raise TypeError(f"dtype: must be float32, float64, float16 or bfloat16 (native byte order), got {dtype!r}")
     return parsed
 
@@ -73,11 +74,8 @@ def _storage_start(dtype):
 
 
 def _storage_zeros(shape, dtype):
-    """Zero-filled (shape, dtype) storage that starts _storage_start(dtype) bytes past a cache line (a
-    view into a slightly larger uint8 buffer)."""
-    raw = np.zeros(math.prod(shape) * dtype.itemsize + 2 * _LINE, np.uint8)
-    start = -raw.ctypes.data % _LINE + _storage_start(dtype)
-    return raw[start:start + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+    """Zero-filled (shape, dtype) storage that starts _storage_start(dtype) bytes past a cache line."""
+    return allocate(shape, dtype, "max_len", start=_storage_start(dtype), zero=True)
 
 
 def _positive_int(value, name, minimum=1):
@@ -97,7 +95,7 @@ def _per_row(value, name, batch):
     """An int, or one int per batch row, as (batch,) int64; TypeError/ValueError naming `name`."""
     if type(value) is int and value >= 0:  # the common case: ~1 us instead of ~8 through NumPy's checks
         return _filled_ints(value, batch)
-    arr = _as_numpy(value, name)
+    arr = as_array(value, name)
     if arr.dtype.kind not in "iu":  # bool is kind "b"
         raise TypeError(f"{name}: expected an int or {batch} ints, got {value!r}")
     if arr.shape not in ((), (batch,)):
@@ -147,7 +145,7 @@ class KVCache:
         self._bind_storage()
 
     # What __init__ derives from the storage, rebuilt rather than pickled or copied (__setstate__).
-    _DERIVED = ("_half", "_compute", "_k_core", "_v_core", "_offsets", "_attend_key", "_attend_state")
+    _DERIVED = ("_half", "_compute", "_k_core", "_v_core", "_attend_key", "_attend_state")
 
     def _bind_storage(self):
         self._half = _HALF_STORAGE.get(self.dtype.name, 0)  # the kernels' code for 16-bit storage
@@ -155,7 +153,6 @@ class KVCache:
         # The storage as the core reads and writes it: 16-bit floats as their uint16 bit patterns.
         self._k_core = self._k.view(np.uint16) if self._half else self._k
         self._v_core = self._v.view(np.uint16) if self._half else self._v
-        self._offsets = {}  # attend()'s kernel offsets per (num_heads, chunk, storage, query strides)
         self._attend_key = None
         self._attend_state = None
 
@@ -196,8 +193,8 @@ class KVCache:
         shape or count is wrong, TypeError for a key/value that is not floating or counts that are
         not integers.
         """
-        k = _as_numpy(key, "key")
-        v = _as_numpy(value, "value")
+        k = as_array(key, "key")
+        v = as_array(value, "value")
         if k.ndim != 4 or k.shape[0] != self.batch or k.shape[1] != self.num_kv_heads or k.shape[3] != self.head_dim:
             raise ValueError(
                 f"key: expected shape ({self.batch}, {self.num_kv_heads}, chunk, {self.head_dim}), got {k.shape}")
@@ -227,7 +224,7 @@ class KVCache:
             if before is not None:
                 return before, counts, before + counts
         else:
-            counts = _as_numpy(num_new, "num_new")
+            counts = as_array(num_new, "num_new")
             if counts.dtype.kind not in "iu":  # bool is kind "b"; as _per_row, a wrong type is a TypeError
                 raise TypeError(f"num_new: expected {self.batch} integers, got {counts!r}")
             if counts.shape != (self.batch,):
@@ -297,7 +294,7 @@ class KVCache:
         valid = self._lengths_if_valid()
         if valid is not None:
             return valid.copy()
-        lengths = _as_numpy(self.lengths, "lengths")
+        lengths = as_array(self.lengths, "lengths")
         if lengths.shape != (self.batch,) or lengths.dtype.kind not in "iu" or (lengths < 0).any() or \
                 (lengths > self.max_len).any():
             raise ValueError(f"lengths: expected {self.batch} lengths in [0, {self.max_len}], got {self.lengths!r}")
@@ -354,7 +351,7 @@ class KVCache:
         off num_new[b], so the queries keep their positions. Returns (batch, num_heads, chunk,
         value_dim) in float32 for 16-bit caches, else the cache dtype.
         """
-        q = _as_numpy(query, "query")
+        q = as_array(query, "query")
         if q.ndim != 4 or q.shape[0] != self.batch or q.shape[3] != self.head_dim:
             raise ValueError(f"query: expected shape ({self.batch}, num_heads, chunk, {self.head_dim}), got {q.shape}")
         num_heads, chunk = q.shape[1], q.shape[2]
@@ -366,37 +363,11 @@ class KVCache:
                                  "made or reset (attend() takes the queries of the tokens appended last)")
             raise ValueError(f"query: chunk length {chunk} does not match the last append's ({self._last_chunk} tokens; "
                              "attend() takes the queries of the tokens appended last)")
-        compute = self._compute
-        if q.dtype != compute:
+        if q.dtype != self._compute:
             if q.dtype.kind != "f" and q.dtype.name != "bfloat16":
                 raise TypeError(f"query: expected a floating dtype, got {q.dtype}")
-            q = q.astype(compute)
-        if not q.flags.c_contiguous:
-            q = np.ascontiguousarray(q)
-        # Read in place by the kernels (16-bit storage converted to float32 a key block at a time).
-        k, v, storage = self._k_core, self._v_core, self._half
+            q = q.astype(self._compute)
         kv_len, lengths, causal_offsets = self._causal_state()
-        group = num_heads // self.num_kv_heads
-        item_k, item_v = k.strides[3], v.strides[3]
-        # The offsets only depend on the layout: built once per (heads, chunk, storage, q strides) for
-        # the cache's own arrays (a decode loop calls attend with the same layout every step).
-        key = (num_heads, chunk, storage, q.strides)
-        offsets = self._offsets.get(key)
-        if offsets is None:
-            heads = np.arange(num_heads, dtype=np.int64)
-            bidx = np.arange(self.batch, dtype=np.int64)[:, None]
-            q_off = (bidx * q.strides[0] + heads * q.strides[1]).reshape(-1) // q.itemsize
-            k_off = (bidx * k.strides[0] + (heads // group) * k.strides[1]).reshape(-1) // item_k
-            v_off = (bidx * v.strides[0] + (heads // group) * v.strides[1]).reshape(-1) // item_v
-            offsets = np.ascontiguousarray(np.stack([q_off, k_off, v_off, np.zeros_like(q_off)]), dtype=np.int64)
-            self._offsets[key] = offsets
-        out = _allocate((self.batch, num_heads, chunk, self.value_dim), compute, "out")
-        scale_value = _scale_value(scale, self.head_dim)
-        # Positional arguments: keyword matching cost ~1 us per call.
-        _core.sdpa(
-            q, k, v, None, out, None, offsets,
-            [q.strides[2] // q.itemsize, k.strides[2] // item_k, v.strides[2] // item_v, 0, 0],
-            [self.batch * num_heads, chunk, kv_len, self.head_dim, self.value_dim, group],
-            True, 0, scale_value, _threads_value(num_threads), storage, lengths, causal_offsets, num_heads,
-        )
-        return out
+        # Read in place by the kernels (16-bit storage converted to float32 a key block at a time).
+        return _core.sdpa_cache(q, self._k_core, self._v_core, self._half, kv_len, lengths, causal_offsets, scale,
+                                num_threads)

@@ -24,9 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._api import _as_numpy
+from ._arrays import as_array, check_batch_first
 from ._explain_render import plot_heatmaps, render_text
-from ._mha import _check_batch_first
 
 __all__ = ["Explanation", "HeadSteps", "explain", "main", "plot_heatmaps", "render_text"]
 
@@ -97,7 +96,7 @@ class Explanation:
 
 
 def _as_float64(value, name):
-    array = np.asarray(_as_numpy(value, name), dtype=np.float64)
+    array = np.asarray(as_array(value, name), dtype=np.float64)
     if array.dtype == object:  # pragma: no cover - np.asarray(..., float64) already refuses these
         raise TypeError(f"{name}: expected a numeric array")
     return array
@@ -322,13 +321,13 @@ def explain(
         raise ValueError("num_heads: required for a dict of weights without a 'num_heads' entry")
     if layer_heads is not None and layer_heads != num_heads:
         raise ValueError(f"num_heads: {num_heads} differs from the layer's {layer_heads}")
-    _check_batch_first(batch_first)
+    check_batch_first(batch_first)
     x = _as_float64(x, "x")
     if x.ndim == 3 and not batch_first:
         x = x.swapaxes(0, 1)
     # NumPy arrays (a masked one refused) before the batched path below slices them.
-    attn_mask = None if attn_mask is None else _as_numpy(attn_mask, "attn_mask")
-    key_padding_mask = None if key_padding_mask is None else _as_numpy(key_padding_mask, "key_padding_mask")
+    attn_mask = None if attn_mask is None else as_array(attn_mask, "attn_mask")
+    key_padding_mask = None if key_padding_mask is None else as_array(key_padding_mask, "key_padding_mask")
     if x.ndim == 2:
         return _explain_one(x, weights, num_heads, tokens, is_causal, attn_mask, key_padding_mask)
     if x.ndim != 3:

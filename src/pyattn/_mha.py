@@ -14,15 +14,15 @@ import math
 import numpy as np
 
 from . import _core
-from ._api import _SUPPORTED, _allocate, _as_numpy, _causal_value, _kernel_layout, _threads_value
+from ._arrays import COMPUTE_DTYPES, allocate, as_array, check_batch_first, kernel_layout
 from ._cache import KVCache
 
 
 def _array(x, name, dtype=None):
     if x is None:
         return None
-    x = _as_numpy(x, name)
-    if x.dtype not in _SUPPORTED:
+    x = as_array(x, name)
+    if x.dtype not in COMPUTE_DTYPES:
         raise TypeError(f"{name}: dtype must be float32 or float64, got {x.dtype}")
     if dtype is not None and x.dtype != dtype:
         raise TypeError(f"{name}: dtype must be {dtype} (the other inputs' dtype), got {x.dtype}")
@@ -75,7 +75,7 @@ class _Weights:
         per call, same results)."""
         if self._packed:
             return self.packed()[0]
-        return tuple(_kernel_layout(x, name=n) for x, n in zip(
+        return tuple(kernel_layout(x, n) for x, n in zip(
             (self.q, self.k, self.v, self.o), ("q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj_weight")))
 
     def linear(self, x, which, threads):
@@ -83,7 +83,7 @@ class _Weights:
         packed, panel = self.packed()
         index = "qkvo".index(which)
         w, b = (self.q, self.k, self.v, self.o)[index], (self.bq, self.bk, self.bv, self.bo)[index]
-        out = _allocate((x.shape[0], w.shape[0]), self.dtype, "out")
+        out = allocate((x.shape[0], w.shape[0]), self.dtype, "out")
         _core.linear(x, packed[index], panel, w.shape[0], b, out, threads)
         return out
 
@@ -155,7 +155,7 @@ def _mask_entry(m, name, dtype, batch, num_heads, q_len, kv_len, key_padding):
         return None
     if m.dtype != np.bool_ and m.dtype != dtype:
         raise TypeError(f"{name}: dtype must be bool or the inputs' dtype ({dtype}), got {m.dtype}")
-    m = _kernel_layout(m, contiguous_last=False) if m.ndim else m
+    m = kernel_layout(m, name, contiguous_last=False) if m.ndim else m
     item = m.itemsize
     bh = np.arange(batch * num_heads, dtype=np.int64)
     if key_padding:
@@ -177,9 +177,9 @@ def _mask_entry(m, name, dtype, batch, num_heads, q_len, kv_len, key_padding):
     return (name, m, np.ascontiguousarray(offsets, dtype=np.int64), int(stride_l), int(stride_s), m.dtype == np.bool_)
 
 
-def _rows(x, batched):
+def _rows(x, batched, name):
     """(batch * len, features) view of a (batch, len, features) input, copied only if it must be."""
-    x3 = _kernel_layout(x) if batched else _kernel_layout(x)[np.newaxis]
+    x3 = kernel_layout(x, name) if batched else kernel_layout(x, name)[np.newaxis]
     return x3.reshape(x3.shape[0] * x3.shape[1], x3.shape[2])  # a view when the rows are evenly strided
 
 
@@ -192,7 +192,7 @@ def _key_value(q, key, value):
     return _array(key, "key", q.dtype), _array(value, "value", q.dtype)
 
 
-def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, threads):
+def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, num_threads):
     """Self-attention of new tokens q (batch, chunk, E) over kv_cache, after appending their K/V."""
     if not isinstance(kv_cache, KVCache):
         raise TypeError(f"kv_cache: expected a pyattn.KVCache, got {type(kv_cache).__name__}")
@@ -212,23 +212,17 @@ def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, threads)
         raise ValueError(f"query: batch size must equal kv_cache.batch ({kv_cache.batch}), got {x.shape[0]}")
     batch, chunk = x.shape[0], x.shape[1]
     before, counts, end = kv_cache._plan_append(num_new, chunk)
-    out = _allocate((batch, chunk, w.embed_dim), w.dtype, "out")
+    out = allocate((batch, chunk, w.embed_dim), w.dtype, "out")
     packed = w.for_core()
     # One call does the step: projections, the new K/V into the cache, attention over it (as
     # KVCache.append + attend), output projection. Positional arguments: keywords cost ~1 us.
     _core.mha_cached(
-        _rows(x, True), (*packed, w.bq, w.bk, w.bv, w.bo),
+        _rows(x, True, "query"), (*packed, w.bq, w.bk, w.bv, w.bo),
         [batch, chunk, w.embed_dim, w.num_heads, w.num_kv_heads, w.head_dim],
-        kv_cache._k_core, kv_cache._v_core, kv_cache._half, before, end, bool(left_padded), out, threads,
+        kv_cache._k_core, kv_cache._v_core, kv_cache._half, before, end, bool(left_padded), out, num_threads,
     )
     kv_cache._commit_append(counts, end, chunk, left_padded)
     return out if batched else out[0]
-
-
-def _check_batch_first(batch_first):
-    if type(batch_first) is not bool:
-        raise TypeError(f"batch_first: expected True or False, got {batch_first!r}")
-    return batch_first
 
 
 def _sequence_first(x, batch_first):
@@ -239,7 +233,7 @@ def _sequence_first(x, batch_first):
 
 def _forward(w, query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, average_attn_weights,
              num_threads, kv_cache=None, num_new=None, left_padded=False, batch_first=True):
-    _check_batch_first(batch_first)
+    check_batch_first(batch_first)
     if kv_cache is not None:
         if key is not None or value is not None or attn_mask is not None or key_padding_mask is not None:
             raise ValueError("kv_cache: self-attention only; per-row lengths (num_new) replace masks")
@@ -248,7 +242,7 @@ def _forward(w, query, key, value, attn_mask, key_padding_mask, is_causal, need_
             layout = "(batch, chunk" if batch_first else "(chunk, batch"
             raise ValueError(f"query: expected {layout}, {w.embed_dim}) or (chunk, {w.embed_dim}), got {q.shape}")
         out = _forward_cached(w, _sequence_first(q, batch_first), kv_cache, num_new, left_padded, need_weights,
-                              _threads_value(num_threads))
+                              num_threads)
         return _sequence_first(out, batch_first)
     q = _array(query, "query")
     if q.dtype != w.dtype:
@@ -274,30 +268,27 @@ def _forward(w, query, key, value, attn_mask, key_padding_mask, is_causal, need_
         raise ValueError(f"value: length must equal key's ({kv_len}), got shape {v.shape}")
     if batched and (k.shape[0] != batch or v.shape[0] != batch):
         raise ValueError(f"key/value: batch size must equal query's ({batch}), got {k.shape[0]} and {v.shape[0]}")
-    causal = _causal_value(is_causal)
-    threads = _threads_value(num_threads)
 
     masks = []
     if attn_mask is not None:
-        am = _as_numpy(attn_mask, "attn_mask")
+        am = as_array(attn_mask, "attn_mask")
         masks.append(_mask_entry(am, "attn_mask", w.dtype, batch, w.num_heads, q_len, kv_len, False))
     if key_padding_mask is not None:
-        kp = _as_numpy(key_padding_mask, "key_padding_mask")
+        kp = as_array(key_padding_mask, "key_padding_mask")
         if not batched:
             if kp.shape != (kv_len,):
                 raise ValueError(f"key_padding_mask: expected shape {(kv_len,)} for unbatched input, got {kp.shape}")
             kp = kp[np.newaxis]
         masks.append(_mask_entry(kp, "key_padding_mask", w.dtype, batch, w.num_heads, q_len, kv_len, True))
 
-    out = _allocate((batch, q_len, w.embed_dim) if batched else (q_len, w.embed_dim), w.dtype, "out")
-    weights = _allocate((batch, w.num_heads, q_len, kv_len), w.dtype, "need_weights") if need_weights else None
+    out = allocate((batch, q_len, w.embed_dim) if batched else (q_len, w.embed_dim), w.dtype, "out")
+    weights = allocate((batch, w.num_heads, q_len, kv_len), w.dtype, "need_weights") if need_weights else None
     packed = w.for_core()
     _core.mha(
-        _rows(q, batched), _rows(k, batched), _rows(v, batched),
+        _rows(q, batched, "query"), _rows(k, batched, "key"), _rows(v, batched, "value"),
         (*packed, w.bq, w.bk, w.bv, w.bo),
         [batch, q_len, kv_len, w.embed_dim, w.kdim, w.vdim, w.num_heads, w.num_kv_heads, w.head_dim],
-        masks, causal is not None, (kv_len - q_len) if causal == "lower_right" else 0,
-        out, weights, threads,
+        masks, is_causal, out, weights, num_threads,
     )
     out = _sequence_first(out, batch_first)
     if not need_weights:
@@ -392,9 +383,9 @@ class MultiHeadAttention:
 
     def __init__(self, embed_dim, num_heads, *, kdim=None, vdim=None, bias=True, num_kv_heads=None,
                  dtype=np.float32, seed=None, batch_first=True):
-        self.batch_first = _check_batch_first(batch_first)
+        self.batch_first = check_batch_first(batch_first)
         dtype = np.dtype(dtype)
-        if dtype not in _SUPPORTED:
+        if dtype not in COMPUTE_DTYPES:
             raise TypeError(f"dtype: must be float32 or float64, got {dtype}")
         if isinstance(embed_dim, bool) or not isinstance(embed_dim, (int, np.integer)) or embed_dim < 1:
             raise ValueError(f"embed_dim: expected a positive int, got {embed_dim!r}")
@@ -494,7 +485,7 @@ class MultiHeadAttention:
         """A layer from separate q/k/v/o linear layers (BERT/GPT style), weights (out, in)."""
         q_weight = _array(q_weight, "q_weight")
         layer = cls.__new__(cls)
-        layer.batch_first = _check_batch_first(batch_first)
+        layer.batch_first = check_batch_first(batch_first)
         layer.embed_dim = q_weight.shape[0]
         layer.kdim, layer.vdim = np.shape(k_weight)[-1], np.shape(v_weight)[-1]
         layer.num_heads = num_heads

@@ -1,0 +1,489 @@
+// SPDX-License-Identifier: MIT
+// pyattn.scaled_dot_product_attention's contract, decided here and nowhere else: which arrays are
+// accepted (dtypes, dimensions, shapes), how batch dimensions, grouped-query heads and masks
+// broadcast, the defaults (scale 1/sqrt(E)), the causal alignments, `out=` and `return_weights`.
+// src/pyattn/_api.py only turns non-NumPy inputs (torch tensors, lists) into arrays first.
+//
+// The path of a call: classify and check every argument (messages name the argument, as the error
+// policy asks), then describe each operand to the kernels without copying it: batch broadcasting,
+// GQA and mask broadcasting become per-(batch, head) element offsets plus row strides (stride 0 for a
+// broadcast axis). The only copies are documented ones: an input whose last axis is not contiguous
+// (or whose memory is misaligned) is copied; 16-bit queries are widened to float32 (the kernels read
+// 16-bit keys and values in place, converting one key block at a time). Then the GIL is released and
+// the driver runs; 16-bit results are rounded back into their dtype.
+//
+// KVCache.attend enters through sdpa_cache, which describes the cache's storage with the same helpers.
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "attention.h"
+#include "binding_checks.h"
+
+namespace pyattn {
+namespace {
+
+// One of query, key and value after its first checks: a floating ndarray with at least 2 axes.
+py::array float_input(py::handle obj, const char* name) {
+  const std::string n(name);
+  if (obj.is_none()) type_fail(n + ": expected a NumPy array, got None");
+  if (!is_ndarray(obj)) type_fail(n + ": expected a NumPy array, got " + type_name(obj));
+  py::array x = py::reinterpret_borrow<py::array>(obj);
+  if (float_kind(x.dtype()) == FloatKind::other)
+    type_fail(n + ": dtype must be float32, float64, float16 or bfloat16 (native byte order), got " + str_of(x.dtype()));
+  if (x.ndim() < 2)
+    fail(n + ": expected at least 2 dimensions (..., seq_len, dim), got shape " + str_of(x.attr("shape")));
+  return x;
+}
+
+// x's shape read as (..., heads, len, dim): 2-D inputs are one head.
+Dims heads_shape(const py::array& x) {
+  Dims s = shape_of(x);
+  if (s.size() == 2) s.push_front(1);
+  return s;
+}
+
+// An operand as the kernels address it: its shape and element strides (0 along axes of size <= 1),
+// (..., heads, len, dim) for query, key and value; any rank for a mask.
+struct Layout {
+  Dims shape, strides;
+};
+
+Layout layout_of(const py::array& x, bool as_heads) {
+  Layout l;
+  const int64_t item = x.itemsize();
+  for (py::ssize_t d = 0; d < x.ndim(); ++d) {
+    l.shape.push_back(x.shape(d));
+    l.strides.push_back(x.shape(d) > 1 ? int64_t(x.strides(d)) / item : 0);
+  }
+  if (as_heads && l.shape.size() == 2) {
+    l.shape.push_front(1);
+    l.strides.push_front(0);
+  }
+  return l;
+}
+
+// Element stride between rows (axis -2), 0 for a single row.
+int64_t row_stride(const Layout& l) { return l.shape.size() >= 2 ? l.strides[l.strides.size() - 2] : 0; }
+
+// The offset of every index of lead_shape (C order) into x, x's axes but its last two aligned from
+// the right with lead_shape (axes x lacks or has of size 1 broadcast: stride 0), each written
+// `repeat` times (consecutive query heads sharing one key/value head) to out[0 ..).
+void lead_offsets(const Layout& x, const Dims& lead_shape, int64_t repeat, int64_t* out) {
+  const size_t nd = lead_shape.size(), x_lead = x.shape.size() >= 2 ? x.shape.size() - 2 : 0;
+  int64_t strides[kMaxDims] = {}, index[kMaxDims] = {};
+  for (size_t i = 1; i <= std::min(nd, x_lead); ++i) strides[nd - i] = x.strides[x_lead - i];
+  const int64_t count = lead_shape.product();
+  int64_t offset = 0;
+  for (int64_t c = 0; c < count; ++c) {
+    for (int64_t r = 0; r < repeat; ++r) *out++ = offset;
+    for (size_t d = nd; d-- > 0;) {  // next index, last axis fastest
+      offset += strides[d];
+      if (++index[d] < lead_shape[d]) break;
+      offset -= strides[d] * index[d];
+      index[d] = 0;
+    }
+  }
+}
+
+// np.broadcast_shapes of the batch axes (all but the last three) of query, key and value.
+Dims broadcast_batch(const Dims* shapes[3]) {
+  size_t nd = 0;
+  for (int i = 0; i < 3; ++i) nd = std::max(nd, shapes[i]->size() - 3);
+  Dims batch;
+  for (size_t i = 0; i < nd; ++i) batch.push_back(1);
+  bool ok = true;
+  for (int i = 0; i < 3; ++i) {
+    const Dims& s = *shapes[i];
+    const size_t lead = s.size() - 3;
+    for (size_t j = 0; j < lead; ++j) {
+      int64_t& b = batch[nd - lead + j];
+      const int64_t n = s[j];
+      if (n == 1) continue;
+      if (b == 1) b = n;
+      else if (b != n) ok = false;
+    }
+  }
+  if (!ok) {
+    std::string msg = "query, key and value: leading batch dimensions do not broadcast: ";
+    for (int i = 0; i < 3; ++i)
+      msg += (i ? ", " : "") + tuple_repr(shapes[i]->data(), shapes[i]->size() - 3);
+    fail(msg);
+  }
+  return batch;
+}
+
+// Whether a mask of shape m broadcasts to `full` without growing it (np.broadcast_shapes(m, full) == full).
+bool broadcasts_to(const Dims& m, const Dims& full) {
+  if (m.size() > full.size()) return false;
+  for (size_t i = 0; i < m.size(); ++i) {
+    const int64_t n = m[m.size() - 1 - i];
+    if (n != 1 && n != full[full.size() - 1 - i]) return false;
+  }
+  return true;
+}
+
+py::array view_as(const py::array& x, const py::dtype& dtype) {
+  std::vector<py::ssize_t> shape(x.shape(), x.shape() + x.ndim()), strides(x.strides(), x.strides() + x.ndim());
+  return py::array(dtype, shape, strides, x.data(), x);
+}
+
+// A float16/bfloat16 array as a fresh float32 one (on a cache line), converted by the core's vector
+// kernels wherever rows are contiguous and aligned, else by NumPy.
+py::array widen(const py::array& x, FloatKind kind, int threads, const char* name) {
+  py::array wide = array_on_line(py::dtype::of<float>(), shape_of(x), name);
+  const int64_t n = int64_t(x.size());
+  if (n == 0) return wide;
+  const bool bf16 = kind == FloatKind::bf16;
+  if (!readable_in_place(x, true)) {
+    wide.attr("__setitem__")(py::ellipsis(), x);
+    return wide;
+  }
+  const uint16_t* src = static_cast<const uint16_t*>(x.data());
+  float* dst = static_cast<float*>(wide.mutable_data());
+  if (x.flags() & py::array::c_style) {
+    py::gil_scoped_release release;
+    convert_half(src, dst, n, threads, bf16);
+    return wide;
+  }
+  // Row by row: every row's offset from the index over the leading axes (a trailing pair of size-1
+  // axes lets lead_offsets walk all axes but the last).
+  Layout rows = layout_of(x, false);
+  const int64_t row = rows.shape.back(), count = n / row;
+  Dims lead = rows.shape;
+  lead.n -= 1;
+  rows.shape.back() = 1;
+  rows.strides.back() = 0;
+  rows.shape.push_back(1);
+  rows.strides.push_back(0);
+  std::vector<int64_t> at(static_cast<size_t>(count));
+  lead_offsets(rows, lead, 1, at.data());
+  py::gil_scoped_release release;
+  for (int64_t r = 0; r < count; ++r) convert_half(src + at[size_t(r)], dst + r * row, row, 1, bf16);
+  return wide;
+}
+
+// float32 `wide` rounded into the 16-bit array `narrow` (same shape, C-contiguous), by the core's
+// vector kernels when narrow is element-aligned, else by NumPy.
+void narrow_into(const py::array& wide, py::array& narrow, FloatKind kind, int threads) {
+  if (narrow.size() == 0) return;
+  if (reinterpret_cast<uintptr_t>(narrow.data()) % 2 != 0) {
+    narrow.attr("__setitem__")(py::ellipsis(), wide);
+    return;
+  }
+  const float* src = static_cast<const float*>(wide.data());
+  uint16_t* dst = static_cast<uint16_t*>(narrow.mutable_data());
+  const int64_t n = int64_t(wide.size());
+  py::gil_scoped_release release;
+  convert_half(src, dst, n, threads, kind == FloatKind::bf16);
+}
+
+// Everything the driver needs for one call, with the arrays that keep its memory alive.
+struct Call {
+  py::array q, k, v;              // as the kernels read them (16-bit keys/values as uint16 views)
+  Storage kv_storage = Storage::same;
+  py::object mask = py::none();   // the mask the kernels read, or None
+  int64_t mask_stride_l = 0, mask_stride_s = 0;
+  py::array out;                  // compute dtype, C-contiguous, element-aligned
+  py::object weights = py::none();
+  std::vector<int64_t> offsets;   // q, k, v, mask offsets per (batch, head): 4 * batch_heads
+  int64_t batch_heads = 0, num_heads = 0, group = 1, q_len = 0, kv_len = 0, head_dim = 0, value_dim = 0;
+  int64_t q_stride_l = 0, k_stride_s = 0, v_stride_s = 0;
+  bool causal = false;
+  int64_t causal_offset = 0;
+  double scale = 1.0;
+  const int64_t* kv_lens = nullptr;
+  const int64_t* causal_offsets = nullptr;
+  int threads = 0;
+};
+
+// Fills c.offsets and the row strides for query/key/value layouts broadcast over `batch`.
+void describe_operands(Call& c, const Layout& q, const Layout& k, const Layout& v, const Dims& batch,
+                       int64_t num_kv_heads) {
+  Dims heads = batch, kv_heads = batch;
+  heads.push_back(c.num_heads);
+  kv_heads.push_back(num_kv_heads);
+  const size_t bh = size_t(c.batch_heads);
+  c.offsets.assign(4 * bh, 0);
+  lead_offsets(q, heads, 1, c.offsets.data());
+  lead_offsets(k, kv_heads, c.group, c.offsets.data() + bh);
+  lead_offsets(v, kv_heads, c.group, c.offsets.data() + 2 * bh);
+  c.q_stride_l = row_stride(q);
+  c.k_stride_s = row_stride(k);
+  c.v_stride_s = row_stride(v);
+}
+
+template <class T>
+void launch(const Call& c) {
+  AttnArgs<T> a;
+  const int64_t bh = c.batch_heads;
+  a.batch_heads = bh;
+  a.num_heads = c.num_heads > 0 ? c.num_heads : 1;
+  a.group = c.group;
+  a.q_len = c.q_len;
+  a.kv_len = c.kv_len;
+  a.head_dim = c.head_dim;
+  a.value_dim = c.value_dim;
+  a.q = static_cast<const T*>(c.q.data());
+  a.k = static_cast<const T*>(c.k.data());  // uint16 data when kv_storage != same (the kernels know)
+  a.v = static_cast<const T*>(c.v.data());
+  a.kv_storage = c.kv_storage;
+  a.q_offset = c.offsets.data();
+  a.k_offset = c.offsets.data() + bh;
+  a.v_offset = c.offsets.data() + 2 * bh;
+  a.q_stride_l = c.q_stride_l;
+  a.k_stride_s = c.k_stride_s;
+  a.v_stride_s = c.v_stride_s;
+  a.causal = c.causal;
+  a.causal_offset = c.causal_offset;
+  a.scale = c.scale;
+  a.kv_lens = c.kv_lens;
+  a.causal_offsets = c.causal_offsets;
+  if (!c.mask.is_none()) {
+    const py::array m = py::reinterpret_borrow<py::array>(c.mask);
+    MaskSlot& s = a.masks[0];
+    s.data = m.data();
+    s.kind = m.dtype().kind() == 'b' ? MaskKind::boolean : MaskKind::additive;
+    s.offset = c.offsets.data() + 3 * bh;
+    s.stride_l = c.mask_stride_l;
+    s.stride_s = c.mask_stride_s;
+  }
+  a.out = static_cast<T*>(const_cast<void*>(c.out.data()));
+  a.out_stride_l = c.value_dim;
+  a.out_stride_h = checked_mul(c.q_len, c.value_dim);
+  a.out_stride_b = checked_mul(a.num_heads, a.out_stride_h);
+  if (!c.weights.is_none()) a.weights = static_cast<T*>(py::reinterpret_borrow<py::array>(c.weights).mutable_data());
+  if (bh == 0) return;
+  py::gil_scoped_release release;
+  scaled_dot_product_attention<T>(a, c.threads);
+}
+
+void launch(const Call& c, bool float64) {
+  if (float64) launch<double>(c);
+  else launch<float>(c);
+}
+
+// out=: exactly the result's dtype and shape, C-contiguous, writeable, sharing no memory with an input.
+void check_out(const py::handle& out_obj, const py::dtype& dtype, const Dims& shape,
+               std::initializer_list<std::pair<const char*, py::handle>> inputs) {
+  if (!is_ndarray(out_obj)) type_fail("out: expected a NumPy array, got " + type_name(out_obj));
+  const py::array out = py::reinterpret_borrow<py::array>(out_obj);
+  if (!out.dtype().is(dtype) && !out.dtype().equal(dtype))
+    type_fail("out: dtype must be " + str_of(dtype) + ", got " + str_of(out.dtype()));
+  if (shape_of(out) != shape) fail("out: shape must be " + tuple_repr(shape) + ", got " + str_of(out.attr("shape")));
+  if (!(out.flags() & py::array::c_style)) fail("out: must be C-contiguous");
+  if (!out.writeable()) fail("out: must be writeable");
+  for (const auto& in : inputs)
+    if (!in.second.is_none() && may_share_memory(out, py::reinterpret_borrow<py::array>(in.second)))
+      fail(std::string("out: must not overlap ") + in.first);
+}
+
+// The attention mask after its checks: bool (True = attend) or the inputs' float dtype (added to the
+// scaled scores), broadcastable to batch + (Hq, L, S) without materialising it.
+py::array check_mask(py::handle mask_obj, const py::dtype& dtype, const Dims& batch, const Call& c) {
+  if (!is_ndarray(mask_obj)) type_fail("attn_mask: expected a NumPy array, got " + type_name(mask_obj));
+  py::array mask = py::reinterpret_borrow<py::array>(mask_obj);
+  const bool boolean = mask.dtype().kind() == 'b' && mask.itemsize() == 1;
+  if (!boolean && !mask.dtype().is(dtype) && !mask.dtype().equal(dtype))
+    type_fail("attn_mask: dtype must be bool or the query's dtype (" + str_of(dtype) + "), got " + str_of(mask.dtype()));
+  Dims full = batch;
+  for (int64_t n : {c.num_heads, c.q_len, c.kv_len}) full.push_back(n);
+  if (!broadcasts_to(shape_of(mask), full))
+    fail("attn_mask: shape " + str_of(mask.attr("shape")) + " is not broadcastable to " + tuple_repr(full));
+  return mask;
+}
+
+// The checked mask described into c (read in place, stride 0 along broadcast axes); a 16-bit float
+// mask is widened like the inputs.
+void describe_mask(Call& c, py::array mask, FloatKind kind, const Dims& batch) {
+  if (mask.dtype().kind() != 'b' && is_half(kind)) mask = widen(mask, kind, c.threads, "attn_mask");
+  mask = kernel_layout(mask, false, "attn_mask");  // read through any strides, the last axis's too
+  const Layout l = layout_of(mask, false);
+  const size_t nd = l.shape.size();
+  c.mask_stride_l = nd >= 2 ? l.strides[nd - 2] : 0;
+  c.mask_stride_s = nd >= 1 ? l.strides[nd - 1] : 0;
+  Dims heads = batch;
+  heads.push_back(c.num_heads);
+  lead_offsets(l, heads, 1, c.offsets.data() + 3 * size_t(c.batch_heads));
+  c.mask = mask;
+}
+
+py::object sdpa(py::handle query, py::handle key, py::handle value, py::handle attn_mask, py::handle is_causal,
+                py::handle scale, py::handle enable_gqa, py::handle return_weights, py::handle out_obj,
+                py::handle num_threads) {
+  const py::array q_in = float_input(query, "query"), k_in = float_input(key, "key"), v_in = float_input(value, "value");
+  const py::dtype dtype = q_in.dtype();
+  const FloatKind kind = float_kind(dtype);
+  if (float_kind(k_in.dtype()) != kind || float_kind(v_in.dtype()) != kind)
+    type_fail("query, key and value must have the same dtype, got " + str_of(dtype) + ", " + str_of(k_in.dtype()) +
+              " and " + str_of(v_in.dtype()));
+  Call c;
+  c.threads = parse_threads(num_threads);
+  const bool want_weights = truthy(return_weights);
+
+  // Shapes: (..., Hq, L, E), (..., Hk, S, E), (..., Hk, S, Ev).
+  const Dims qs = heads_shape(q_in), ks = heads_shape(k_in), vs = heads_shape(v_in);
+  auto tail = [](const Dims& s, size_t i) { return s[s.size() - 3 + i]; };
+  c.num_heads = tail(qs, 0);
+  c.q_len = tail(qs, 1);
+  c.head_dim = tail(qs, 2);
+  const int64_t num_kv_heads = tail(ks, 0);
+  c.kv_len = tail(ks, 1);
+  c.value_dim = tail(vs, 2);
+  if (tail(ks, 2) != c.head_dim)
+    fail("key: last dimension must equal query's (" + std::to_string(c.head_dim) + "), got key shape " + tuple_repr(ks));
+  if (tail(vs, 1) != c.kv_len)
+    fail("value: sequence length must equal key's (" + std::to_string(c.kv_len) + "), got value shape " + tuple_repr(vs));
+  if (tail(vs, 0) != num_kv_heads)
+    fail("value: number of heads must equal key's (" + std::to_string(num_kv_heads) + "), got value shape " +
+         tuple_repr(vs));
+  if (truthy(enable_gqa)) {
+    if (num_kv_heads == 0 || c.num_heads % num_kv_heads != 0)
+      fail("enable_gqa: query heads (" + std::to_string(c.num_heads) + ") must be a multiple of key/value heads (" +
+           std::to_string(num_kv_heads) + ")");
+  } else if (c.num_heads != num_kv_heads) {
+    fail("key: number of heads (" + std::to_string(num_kv_heads) + ") must equal query's (" +
+         std::to_string(c.num_heads) + "); pass enable_gqa=True for grouped-query attention");
+  }
+  const Dims* all[3] = {&qs, &ks, &vs};
+  const Dims batch = broadcast_batch(all);
+  c.group = num_kv_heads > 0 ? c.num_heads / num_kv_heads : 1;
+  int64_t batch_count = 1;
+  for (size_t i = 0; i < batch.size(); ++i) batch_count = checked_mul(batch_count, batch[i]);
+  c.batch_heads = checked_mul(batch_count, c.num_heads);
+
+  const Causal causal = parse_causal(is_causal);
+  c.causal = causal != Causal::none;
+  c.causal_offset = causal_offset(causal, c.q_len, c.kv_len);
+  c.scale = parse_scale(scale, c.head_dim);
+  const py::array mask = attn_mask.is_none() ? py::array() : check_mask(attn_mask, dtype, batch, c);
+
+  // The output's shape: 2-D inputs give (L, Ev), else batch + (Hq, L, Ev).
+  const bool two_d = std::max({q_in.ndim(), k_in.ndim(), v_in.ndim()}) == 2;
+  Dims out_shape = two_d ? Dims{} : batch, w_shape;
+  if (!two_d) out_shape.push_back(c.num_heads);
+  w_shape = out_shape;
+  for (int64_t n : {c.q_len, c.value_dim}) out_shape.push_back(n);
+  for (int64_t n : {c.q_len, c.kv_len}) w_shape.push_back(n);
+  if (!out_obj.is_none())
+    check_out(out_obj, dtype, out_shape, {{"query", q_in}, {"key", k_in}, {"value", v_in}, {"attn_mask", attn_mask}});
+
+  // The outputs first: an impossible size is refused before any copy is made.
+  const bool half = is_half(kind);
+  const py::dtype compute = half ? py::dtype::of<float>() : dtype;
+  const bool in_place = !out_obj.is_none() && !half &&
+                        reinterpret_cast<uintptr_t>(py::reinterpret_borrow<py::array>(out_obj).data()) % dtype.itemsize() == 0;
+  c.out = in_place ? py::reinterpret_borrow<py::array>(out_obj) : array_on_line(compute, out_shape, "out");
+  if (want_weights) c.weights = array_on_line(compute, w_shape, "return_weights");
+  const bool nothing_to_do = c.out.size() == 0 && (!want_weights || py::reinterpret_borrow<py::array>(c.weights).size() == 0);
+
+  // The operands as the kernels read them.
+  if (!nothing_to_do) {
+    c.q = half ? widen(q_in, kind, c.threads, "query") : kernel_layout(q_in, true, "query");
+    if (half && !want_weights) {  // read in place by the kernels as 16-bit storage
+      c.k = view_as(kernel_layout(k_in, true, "key"), py::dtype::of<uint16_t>());
+      c.v = view_as(kernel_layout(v_in, true, "value"), py::dtype::of<uint16_t>());
+      c.kv_storage = storage_of(kind);
+    } else if (half) {  // return_weights: the rare O(L*S) mode works on float32 copies
+      c.k = widen(k_in, kind, c.threads, "key");
+      c.v = widen(v_in, kind, c.threads, "value");
+    } else {
+      c.k = kernel_layout(k_in, true, "key");
+      c.v = kernel_layout(v_in, true, "value");
+    }
+    describe_operands(c, layout_of(c.q, true), layout_of(c.k, true), layout_of(c.v, true), batch, num_kv_heads);
+    if (!attn_mask.is_none()) describe_mask(c, mask, kind, batch);
+    launch(c, kind == FloatKind::f64);
+  }
+
+  py::object result = c.out, weights = c.weights;
+  if (half) {
+    py::array narrow = out_obj.is_none() ? array_on_line(dtype, out_shape, "out") : py::reinterpret_borrow<py::array>(out_obj);
+    narrow_into(c.out, narrow, kind, c.threads);
+    result = narrow;
+    if (want_weights) {
+      py::array w = array_on_line(dtype, w_shape, "return_weights");
+      narrow_into(py::reinterpret_borrow<py::array>(c.weights), w, kind, c.threads);
+      weights = w;
+    }
+  } else if (!out_obj.is_none() && !in_place) {  // an element-misaligned out=: copied into
+    out_obj.attr("__setitem__")(py::ellipsis(), c.out);
+    result = py::reinterpret_borrow<py::object>(out_obj);
+  }
+  if (want_weights) return py::make_tuple(result, weights);
+  return result;
+}
+
+// KVCache.attend: the queries (batch, num_heads, chunk, head_dim) of the chunk appended last, in the
+// cache's compute dtype, over its storage (batch, num_kv_heads, max_len, dim) (16-bit storage as
+// uint16 views, storage 1 = float16, 2 = bfloat16), kv_len keys long (the longest row), each batch
+// row b seeing its first lengths[b] keys with query i at position causal_offsets[b] + i.
+py::object sdpa_cache(py::handle query, const py::array& k_store, const py::array& v_store, int storage,
+                      int64_t kv_len, const py::array& lengths, const py::array& causal_offsets, py::handle scale,
+                      py::handle num_threads) {
+  if (storage < 0 || storage > 2) fail("storage must be 0 (same), 1 (float16) or 2 (bfloat16)");
+  const py::array q_in = float_input(query, "query");
+  const FloatKind kind = float_kind(q_in.dtype());
+  const py::dtype stored = storage == 0 ? q_in.dtype() : py::dtype::of<uint16_t>();
+  if (storage != 0 && kind != FloatKind::f32) type_fail("query: must be float32 with a float16/bfloat16 cache");
+  if (kind != FloatKind::f32 && kind != FloatKind::f64) type_fail("query: dtype must be float32 or float64");
+  if (q_in.ndim() != 4) fail("query: expected (batch, num_heads, chunk, head_dim)");
+  const int64_t batch = q_in.shape(0);
+  for (const py::array* s : {&k_store, &v_store}) {
+    if (s->ndim() != 4 || s->shape(0) != batch || s->shape(2) != k_store.shape(2) || s->shape(1) != k_store.shape(1))
+      fail("k/v storage: expected (batch, num_kv_heads, max_len, dim) arrays of the query's batch");
+    if (!s->dtype().is(stored) && !s->dtype().equal(stored)) type_fail("k/v storage: dtype does not match the query's");
+    if (!readable_in_place(*s, true)) fail("k/v storage: must be element-aligned with a contiguous last axis");
+  }
+  if (k_store.shape(3) != q_in.shape(3)) fail("query: head_dim must equal the cache's");
+  for (const py::array* a : {&lengths, &causal_offsets})
+    if (!is_int64(*a) || a->ndim() != 1 || a->shape(0) != batch || !(a->flags() & py::array::c_style))
+      fail("lengths/causal_offsets: expected contiguous int64 arrays of one entry per batch row");
+  const int64_t* len = static_cast<const int64_t*>(lengths.data());
+  if (kv_len < 0 || kv_len > k_store.shape(2)) fail("kv_len: must lie in [0, max_len]");
+  for (int64_t b = 0; b < batch; ++b)
+    if (len[b] < 0 || len[b] > kv_len) fail("lengths: entries must lie in [0, kv_len]");
+  const int64_t num_kv_heads = k_store.shape(1);
+  Call c;
+  c.threads = parse_threads(num_threads);
+  c.num_heads = q_in.shape(1);
+  if (num_kv_heads == 0 || c.num_heads % num_kv_heads != 0)
+    fail("query: num_heads must be a multiple of the cache's num_kv_heads");
+  c.group = c.num_heads / num_kv_heads;
+  c.q_len = q_in.shape(2);
+  c.kv_len = kv_len;
+  c.head_dim = q_in.shape(3);
+  c.value_dim = v_store.shape(3);
+  c.batch_heads = checked_mul(batch, c.num_heads);
+  c.scale = parse_scale(scale, c.head_dim);
+  c.causal = true;
+  c.kv_lens = len;
+  c.causal_offsets = static_cast<const int64_t*>(causal_offsets.data());
+  c.kv_storage = Storage(storage);
+  c.q = kernel_layout(q_in, true, "query");
+  c.k = k_store;
+  c.v = v_store;
+  describe_operands(c, layout_of(c.q, true), layout_of(c.k, true), layout_of(c.v, true), Dims{batch}, num_kv_heads);
+  c.out = array_on_line(q_in.dtype(), Dims{batch, c.num_heads, c.q_len, c.value_dim}, "out");
+  launch(c, kind == FloatKind::f64);
+  return c.out;
+}
+
+}  // namespace
+
+void bind_sdpa(py::module_& m) {
+  m.def("sdpa", &sdpa, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("attn_mask"), py::arg("is_causal"),
+        py::arg("scale"), py::arg("enable_gqa"), py::arg("return_weights"), py::arg("out"), py::arg("num_threads"),
+        "pyattn.scaled_dot_product_attention on NumPy arrays: the whole contract (see its docstring).");
+  m.def("sdpa_cache", &sdpa_cache, py::arg("query"), py::arg("k_storage"), py::arg("v_storage"), py::arg("storage"),
+        py::arg("kv_len"), py::arg("lengths"), py::arg("causal_offsets"), py::arg("scale"), py::arg("num_threads"),
+        "KVCache.attend's attention over the cache's storage (arguments prepared by pyattn.KVCache).");
+}
+
+}  // namespace pyattn
