@@ -185,13 +185,23 @@ class KVCache:
     def append(self, key, value, *, num_new=None, left_padded=False):
         """Append a chunk of new tokens' keys and values.
 
-        key : (batch, num_kv_heads, chunk, head_dim); value : (batch, num_kv_heads, chunk, value_dim).
-        Any float dtype; converted to the storage dtype. num_new : optional (batch,) ints in
-        [0, chunk]: how many of the chunk's tokens are real in each row (prompts of different
-        lengths); they are the first num_new[b] tokens (right padding) or, with left_padded=True,
-        the last ones. Raises, changing nothing, ValueError if a row would exceed max_len or a
-        shape or count is wrong, TypeError for a key/value that is not floating or counts that are
-        not integers.
+        Parameters
+        ----------
+        key : ndarray, (batch, num_kv_heads, chunk, head_dim)
+        value : ndarray, (batch, num_kv_heads, chunk, value_dim)
+            Any float dtype; converted to the storage dtype.
+        num_new : int or ndarray of int, optional
+            (batch,) ints in [0, chunk]: how many of the chunk's tokens are real in each row
+            (prompts of different lengths); default: all of them.
+        left_padded : bool
+            The real tokens are the last num_new[b] of row b's chunk instead of the first.
+
+        Raises
+        ------
+        ValueError
+            A row would exceed max_len, or a shape or count is wrong (nothing is changed).
+        TypeError
+            key/value not floating, or counts that are not integers (nothing is changed).
         """
         k = as_array(key, "key")
         v = as_array(value, "value")
@@ -255,16 +265,30 @@ class KVCache:
         self._last_first[:] = 0
 
     def truncate(self, length):
-        """Keep at most `length` tokens per row (an int, or one per row).
+        """Keep at most `length` tokens per row.
 
-        The last appended chunk's queries keep their positions (attend()): a cut that removes nothing
-        changes nothing, and the chunk's tokens that were cut no longer count as new."""
+        Parameters
+        ----------
+        length : int or ndarray of int
+            One length for every row, or (batch,) lengths.
+
+        Notes
+        -----
+        The last appended chunk's queries keep their positions (attend()): a cut that removes
+        nothing changes nothing, and the chunk's tokens that were cut no longer count as new.
+        """
         length = _per_row(length, "length", self.batch)
         before = self._checked_lengths()
         self._cut(before, np.minimum(before, length))
 
     def trim(self, count):
-        """Drop the last `count` tokens of every row (an int, or one per row); see truncate()."""
+        """Drop the last `count` tokens of every row; see truncate().
+
+        Parameters
+        ----------
+        count : int or ndarray of int
+            One count for every row, or (batch,) counts.
+        """
         count = _per_row(count, "count", self.batch)
         before = self._checked_lengths()
         self._cut(before, np.maximum(before - count, 0))
@@ -314,7 +338,7 @@ class KVCache:
         return storage[:, :, : int(lengths[0])]
 
     def keys(self, row=None):
-        """View of the filled keys: (num_kv_heads, length, head_dim) of one row, or all rows
+        """View of the filled keys: (num_kv_heads, length, head_dim) of batch row `row`, or all rows
         (batch, num_kv_heads, length, head_dim) when they have the same length."""
         return self._filled(self._k, row)
 
@@ -343,13 +367,25 @@ class KVCache:
     def attend(self, query, *, scale=None, num_threads=None):
         """Attention of the last appended chunk's queries over each row's cached keys.
 
-        query : (batch, num_heads, chunk, head_dim), num_heads a multiple of num_kv_heads (grouped-
-        query attention). Query i of row b is at position lengths[b] - num_new[b] - first[b] + i,
-        with first[b] = 0 (right padding) or chunk - num_new[b] of that append (left padding), and
-        sees keys up to there (lower-right causal alignment); padding query rows of a shorter row
-        produce values that should be ignored. truncate()/trim() take the chunk's tokens they cut
-        off num_new[b], so the queries keep their positions. Returns (batch, num_heads, chunk,
-        value_dim) in float32 for 16-bit caches, else the cache dtype.
+        Query i of row b is at position lengths[b] - num_new[b] - first[b] + i, with first[b] = 0
+        (right padding) or chunk - num_new[b] of that append (left padding), and sees keys up to
+        there (lower-right causal alignment); padding query rows of a shorter row produce values
+        that should be ignored. truncate()/trim() take the chunk's tokens they cut off num_new[b],
+        so the queries keep their positions.
+
+        Parameters
+        ----------
+        query : ndarray, (batch, num_heads, chunk, head_dim)
+            num_heads a multiple of num_kv_heads (grouped-query attention); chunk as appended last.
+        scale : float, optional
+            Multiplies Q Kᵀ; default 1/sqrt(head_dim).
+        num_threads : int, optional
+            Threads for this call; default pyattn.get_num_threads().
+
+        Returns
+        -------
+        ndarray, (batch, num_heads, chunk, value_dim)
+            float32 for 16-bit caches, else the cache dtype.
         """
         q = as_array(query, "query")
         if q.ndim != 4 or q.shape[0] != self.batch or q.shape[3] != self.head_dim:

@@ -39,39 +39,89 @@ _WEIGHT_NAMES = (
 
 @dataclass
 class HeadSteps:
-    """One attention head, step by step (float64; L queries, S = L keys, d = head_dim)."""
+    """One attention head, step by step (float64; L queries, S = L keys, d = head_dim).
 
-    head: int  # query head index
-    kv_head: int  # key/value head it reads (differs from `head` only with grouped-query attention)
-    q: np.ndarray  # (L, d) this head's columns of the query projection
-    k: np.ndarray  # (S, d) its key/value head's columns of the key projection
-    v: np.ndarray  # (S, d) ... and of the value projection
-    scores: np.ndarray  # (L, S) raw scores q @ k.T
-    scaled_scores: np.ndarray  # (L, S) scores * scale
-    masked_scores: np.ndarray  # (L, S) scaled scores + float masks; -inf where forbidden
-    weights: np.ndarray  # (L, S) softmax over the allowed keys of each row; forbidden entries exactly 0
-    output: np.ndarray  # (L, d) weights @ v
+    Attributes
+    ----------
+    head : int
+        Query head index.
+    kv_head : int
+        The key/value head it reads (differs from `head` only with grouped-query attention).
+    q : ndarray, (L, d)
+        This head's columns of the query projection.
+    k, v : ndarray, (S, d)
+        Its key/value head's columns of the key and value projections.
+    scores : ndarray, (L, S)
+        Raw scores ``q @ k.T``.
+    scaled_scores : ndarray, (L, S)
+        ``scores * scale``.
+    masked_scores : ndarray, (L, S)
+        Scaled scores plus float masks; -inf where forbidden.
+    weights : ndarray, (L, S)
+        Softmax over the allowed keys of each row; forbidden entries exactly 0.
+    output : ndarray, (L, d)
+        ``weights @ v``.
+    """
+
+    head: int
+    kv_head: int
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    scores: np.ndarray
+    scaled_scores: np.ndarray
+    masked_scores: np.ndarray
+    weights: np.ndarray
+    output: np.ndarray
 
 
 @dataclass
 class Explanation:
-    """Every intermediate of one self-attention call (float64), in the order they are computed."""
+    """Every intermediate of one self-attention call (float64), in the order they are computed.
 
-    tokens: list  # L labels
-    x: np.ndarray  # (L, E) input embeddings
+    Attributes
+    ----------
+    tokens : list
+        L labels.
+    x : ndarray, (L, E)
+        Input embeddings.
+    num_heads, num_kv_heads, head_dim : int
+        The layer's sizes.
+    scale : float
+        1/sqrt(head_dim).
+    is_causal : bool or str
+        As passed: False, True, "upper_left" or "lower_right".
+    mask : ndarray, (num_heads, L, S)
+        The additive mask used: 0 allowed, -inf forbidden, else added.
+    q : ndarray, (L, E)
+        ``x @ Wq.T + bq``, all heads side by side.
+    k, v : ndarray, (S, num_kv_heads * head_dim)
+        The key and value projections.
+    heads : list of HeadSteps
+        One per query head.
+    concat : ndarray, (L, E)
+        Head outputs side by side.
+    output : ndarray, (L, E)
+        ``concat @ Wo.T + bo``.
+    params : dict
+        The float64 q/k/v/out weights and biases used.
+    """
+
+    tokens: list
+    x: np.ndarray
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    scale: float  # 1/sqrt(head_dim)
-    is_causal: object  # as passed: False, True, "upper_left" or "lower_right"
-    mask: np.ndarray  # (num_heads, L, S) the additive mask used: 0 allowed, -inf forbidden, else added
-    q: np.ndarray  # (L, E) x @ Wq.T + bq, all heads side by side
-    k: np.ndarray  # (S, num_kv_heads * head_dim)
-    v: np.ndarray  # (S, num_kv_heads * head_dim)
-    heads: list  # one HeadSteps per query head
-    concat: np.ndarray  # (L, E) head outputs side by side
-    output: np.ndarray  # (L, E) concat @ Wo.T + bo
-    params: dict = field(repr=False, default_factory=dict)  # float64 q/k/v/out weights and biases used
+    scale: float
+    is_causal: object
+    mask: np.ndarray
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    heads: list
+    concat: np.ndarray
+    output: np.ndarray
+    params: dict = field(repr=False, default_factory=dict)
 
     @property
     def allowed(self):

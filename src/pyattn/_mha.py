@@ -336,8 +336,13 @@ def mha(query, key=None, value=None, *, num_heads, in_proj_weight=None, in_proj_
     kv_cache : pyattn.KVCache, optional
         Incremental decoding (self-attention only): the new tokens' K/V are appended to the cache
         and their queries attend to every cached key with the lower-right causal alignment.
-        num_new (batch,) gives the real token count per row of a padded chunk (right padding, or
-        left with left_padded=True); masks are not needed (and not accepted) with a cache.
+        Masks are not needed (and not accepted) with a cache.
+    num_new : int or ndarray of int, optional
+        With kv_cache: the real token count of each batch row of a padded chunk, (batch,) ints in
+        [0, chunk]; default: every token of the chunk.
+    left_padded : bool
+        With kv_cache and num_new: the real tokens are the last num_new[b] of row b's chunk
+        (left padding) instead of the first.
     batch_first : bool
         True (the default): batched query/key/value/output are (batch, len, features). False:
         (len, batch, features), torch.nn.MultiheadAttention's default; they are read as
@@ -348,16 +353,18 @@ def mha(query, key=None, value=None, *, num_heads, in_proj_weight=None, in_proj_
 
     Returns
     -------
-    out, or (out, weights) when need_weights.
+    out : ndarray
+        (batch, q_len, embed_dim), or (q_len, embed_dim) for unbatched inputs.
+    weights : ndarray
+        Only with need_weights: (batch, q_len, kv_len) averaged over heads, or (batch, num_heads,
+        q_len, kv_len) with average_attn_weights=False.
 
     Notes
     -----
-    The projection GEMM packs the weights' panels on every call with three or more input rows (into
-    per-thread scratch) and reads them in place for one or two; the results are those of
-    MultiHeadAttention bit for bit. A decode step still takes 1.1-1.4x (embed_dim 768-2048; 1.5-1.7x
-    at 256) the layer's time, which streams packed weights and skips this function's per-call
-    weight checks (2-core Zen 3). For repeated calls with the same weights, decoding above all, use
-    MultiHeadAttention, which packs them once.
+    The projection GEMM packs the weights' panels on every call (into per-thread scratch; one or two
+    input rows read them in place), with the same results as MultiHeadAttention bit for bit. For
+    repeated calls with the same weights, decoding above all, use MultiHeadAttention, which packs
+    them once and skips this function's per-call weight checks.
     """
     q = _array(query, "query")
     k, v = _key_value(q, key, value)
@@ -377,8 +384,31 @@ class MultiHeadAttention:
     Weight attributes use torch.nn.MultiheadAttention's names: ``in_proj_weight``/``in_proj_bias``
     (when kdim == vdim == embed_dim) or ``q_proj_weight``/``k_proj_weight``/``v_proj_weight``
     (+ ``in_proj_bias``), ``out_proj_weight``, ``out_proj_bias``. Change weights through
-    ``load_state_dict`` (which repacks them), not by writing into the arrays. ``batch_first`` (True
-    unless given or taken from a torch module by ``from_torch``) is the input layout, as in pyattn.mha.
+    ``load_state_dict`` (which repacks them), not by writing into the arrays. Calling the layer is
+    ``pyattn.mha`` with these weights.
+
+    Parameters
+    ----------
+    embed_dim : int
+        Model width E: query features and output features.
+    num_heads : int
+        Query heads; must divide embed_dim (head_dim = embed_dim // num_heads).
+    kdim, vdim : int, optional
+        Key and value input features; default embed_dim. Other sizes store separate
+        q/k/v_proj_weight instead of one in_proj_weight.
+    bias : bool
+        Whether the projections have biases (initialised to zero, as in torch).
+    num_kv_heads : int, optional
+        Key/value heads for grouped-query (1 = multi-query) attention; must divide num_heads;
+        default num_heads.
+    dtype : float32 or float64
+        The weights' dtype, and the inputs' dtype the layer takes.
+    seed : int, optional
+        Seed of the random initial weights (torch's ``xavier_uniform_`` for the input projections,
+        its Linear default for the output projection), for reproducible layers.
+    batch_first : bool
+        True (default): inputs and outputs are (batch, len, features); False: (len, batch,
+        features), torch.nn.MultiheadAttention's default.
     """
 
     def __init__(self, embed_dim, num_heads, *, kdim=None, vdim=None, bias=True, num_kv_heads=None,
@@ -421,7 +451,15 @@ class MultiHeadAttention:
 
     # -- weights ------------------------------------------------------------------------------
     def load_state_dict(self, state_dict):
-        """Load weights given with torch.nn.MultiheadAttention's state_dict keys (arrays or tensors)."""
+        """Load weights given with torch.nn.MultiheadAttention's state_dict keys and repack them.
+
+        Parameters
+        ----------
+        state_dict : dict
+            ``in_proj_weight`` (or ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight``),
+            ``in_proj_bias``, ``out_proj.weight``, ``out_proj.bias``; NumPy arrays or torch
+            tensors of the layer's dtype. Unknown keys (``bias_k``, ``bias_v``) raise ValueError.
+        """
         known = {"in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight", "v_proj_weight",
                  "out_proj.weight", "out_proj.bias"}
         unknown = set(state_dict) - known
@@ -437,7 +475,13 @@ class MultiHeadAttention:
         w.packed()  # pre-pack for the active ISA now, not on the first call
 
     def state_dict(self):
-        """Weights as a dict with torch.nn.MultiheadAttention's keys (copies)."""
+        """Weights as a dict with torch.nn.MultiheadAttention's keys.
+
+        Returns
+        -------
+        dict
+            Copies of the weights, keyed as ``torch.nn.MultiheadAttention.state_dict()`` keys them.
+        """
         w = self._weights
         d = {}
         if self._has_in_proj:
@@ -464,7 +508,14 @@ class MultiHeadAttention:
 
     @classmethod
     def from_torch(cls, module):
-        """A layer with the weights (and dtype) of a torch.nn.MultiheadAttention."""
+        """A layer with the weights, dtype and batch_first of a torch.nn.MultiheadAttention.
+
+        Parameters
+        ----------
+        module : torch.nn.MultiheadAttention
+            float32 or float64 parameters; ``bias_k``/``bias_v`` and ``add_zero_attn`` are not
+            supported (ValueError).
+        """
         if getattr(module, "bias_k", None) is not None or getattr(module, "add_zero_attn", False):
             raise ValueError("module: bias_k/bias_v and add_zero_attn are not supported")
         dtype = module.out_proj.weight.dtype
@@ -482,7 +533,22 @@ class MultiHeadAttention:
     @classmethod
     def from_linear_weights(cls, q_weight, k_weight, v_weight, o_weight, q_bias=None, k_bias=None, v_bias=None,
                             o_bias=None, *, num_heads, num_kv_heads=None, batch_first=True):
-        """A layer from separate q/k/v/o linear layers (BERT/GPT style), weights (out, in)."""
+        """A layer from separate q/k/v/o linear layers (BERT/GPT style).
+
+        Parameters
+        ----------
+        q_weight, k_weight, v_weight, o_weight : ndarray
+            Weights in (out_features, in_features) layout: q (E, E), k (num_kv_heads * head_dim,
+            kdim), v (num_kv_heads * head_dim, vdim), o (E, E).
+        q_bias, k_bias, v_bias, o_bias : ndarray, optional
+            Their biases.
+        num_heads : int
+            Query heads; must divide E.
+        num_kv_heads : int, optional
+            Key/value heads (grouped-query attention); default num_heads.
+        batch_first : bool
+            As in the constructor.
+        """
         q_weight = _array(q_weight, "q_weight")
         layer = cls.__new__(cls)
         layer.batch_first = check_batch_first(batch_first)
@@ -503,7 +569,19 @@ class MultiHeadAttention:
     def __call__(self, query, key=None, value=None, *, attn_mask=None, key_padding_mask=None, is_causal=False,
                  need_weights=False, average_attn_weights=True, kv_cache=None, num_new=None, left_padded=False,
                  num_threads=None):
-        """Same as pyattn.mha with this layer's weights (and batch_first)."""
+        """The layer's forward pass: ``pyattn.mha`` with this layer's weights and batch_first.
+
+        Parameters
+        ----------
+        query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, \
+average_attn_weights, kv_cache, num_new, left_padded, num_threads
+            As in :func:`pyattn.mha`.
+
+        Returns
+        -------
+        out : ndarray
+            Or ``(out, weights)`` with need_weights, as in :func:`pyattn.mha`.
+        """
         return _forward(self._weights, query, key, value, attn_mask, key_padding_mask, is_causal, need_weights,
                         average_attn_weights, num_threads, kv_cache, num_new, left_padded, self.batch_first)
 
