@@ -215,7 +215,8 @@ def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, num_thre
     out = allocate((batch, chunk, w.embed_dim), w.dtype, "out")
     packed = w.for_core()
     # One call does the step: projections, the new K/V into the cache, attention over it (as
-    # KVCache.append + attend), output projection. Positional arguments: keywords cost ~1 us.
+    # KVCache.append + attend), output projection. Positional arguments: keyword matching costs time
+    # on every decode step.
     _core.mha_cached(
         _rows(x, True, "query"), (*packed, w.bq, w.bk, w.bv, w.bo),
         [batch, chunk, w.embed_dim, w.num_heads, w.num_kv_heads, w.head_dim],
