@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: MIT
-"""Type stubs for the compiled extension pyattn._core (src/cpp/bindings.cpp).
+"""Type stubs for the compiled extension pyattn._core (src/cpp/bindings*.cpp).
 
-Private module: the public API is the pyattn package. The low-level entries (sdpa, mha, linear,
-pack_weights) take arguments prepared by pyattn._api / pyattn._mha and re-check every invariant the
-C++ side relies on; a failed check raises ValueError.
+Private module: the public API is the pyattn package. `sdpa` is scaled_dot_product_attention's whole
+contract (bindings_sdpa.cpp); the layer entries (mha, mha_cached, linear, pack_weights) take
+arguments prepared by pyattn._mha and re-check every invariant the C++ side relies on; a failed
+check raises ValueError or TypeError naming the argument.
 """
 
 from typing import Any, Optional, Sequence, Tuple
@@ -26,33 +27,36 @@ _LayerWeights = Tuple[
 ]
 
 def sdpa(
-    query: np.ndarray,
-    key: np.ndarray,
-    value: np.ndarray,
-    mask: Optional[np.ndarray],
-    out: np.ndarray,
-    weights: Optional[np.ndarray],
-    offsets: npt.NDArray[np.int64],
-    strides: Sequence[int],
-    dims: Sequence[int],
-    causal: int,
-    causal_offset: int,
-    scale: float,
-    num_threads: int,
-    kv_storage: int = 0,
-    kv_lens: Optional[npt.NDArray[np.int64]] = None,
-    causal_offsets: Optional[npt.NDArray[np.int64]] = None,
-    num_heads: int = 0,
-) -> None:
-    """Low-level attention entry; arguments prepared by pyattn._api (and the KV cache).
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any,
+    is_causal: Any,
+    scale: Any,
+    enable_gqa: Any,
+    return_weights: Any,
+    out: Any,
+    num_threads: Any,
+) -> Any:
+    """pyattn.scaled_dot_product_attention on NumPy arrays (the whole contract: see its docstring)."""
 
-    offsets: C-contiguous int64 (4, batch_heads): element offsets of query, key, value and mask per
-    (batch, head). strides: (q_stride_l, k_stride_s, v_stride_s, mask_stride_l, mask_stride_s) in
-    elements. dims: (batch_heads, q_len, kv_len, head_dim, value_dim, group). kv_storage: 0 = K/V in
-    the query's dtype, 1 = float16, 2 = bfloat16 (stored as uint16). kv_lens / causal_offsets: one
-    entry per batch row (num_heads query heads each). Writes `out` (and `weights`). num_threads 0
-    means the default.
-    """
+def sdpa_cache(
+    query: np.ndarray,
+    k_storage: np.ndarray,
+    v_storage: np.ndarray,
+    storage: int,
+    kv_len: int,
+    lengths: npt.NDArray[np.int64],
+    causal_offsets: npt.NDArray[np.int64],
+    scale: Any,
+    num_threads: Any,
+) -> np.ndarray:
+    """KVCache.attend: queries (batch, num_heads, chunk, head_dim) over the cache's storage (batch,
+    num_kv_heads, max_len, dim), 16-bit storage as uint16 views (storage 1 = float16, 2 = bfloat16);
+    row b sees its first lengths[b] keys, query i at position causal_offsets[b] + i."""
+
+def kernel_layout(x: np.ndarray, name: str, contiguous_last: bool = True) -> np.ndarray:
+    """x itself when the kernels can read it through its strides, else a C-contiguous copy."""
 
 def pack_weights(weight: np.ndarray) -> Tuple[np.ndarray, int]:
     """Pack a (out_features, in_features) weight for the active ISA's GEMM; returns (packed, panel)."""
@@ -75,11 +79,10 @@ def mha(
     weights: _LayerWeights,
     dims: Sequence[int],
     masks: Sequence[_MaskEntry],
-    causal: int,
-    causal_offset: int,
+    is_causal: Any,
     out: np.ndarray,
     attn_weights: Optional[np.ndarray],
-    num_threads: int,
+    num_threads: Any,
 ) -> None:
     """Low-level multi-head attention entry; arguments prepared by pyattn._mha.
 
@@ -98,7 +101,7 @@ def mha_cached(
     lengths_after: np.ndarray,
     left_padded: bool,
     out: np.ndarray,
-    num_threads: int,
+    num_threads: Any,
 ) -> None:
     """Low-level layer step over a KV cache; arguments prepared by pyattn._mha and pyattn.KVCache.
 
@@ -118,7 +121,7 @@ def available_isas() -> list[str]:
 def _set_isa(name: str) -> None:
     """Force a kernel ISA (for tests and benchmarks); ValueError for an unknown or unsupported one."""
 
-def empty_on_line(dtype: np.dtype, shape: Sequence[int], name: str) -> np.ndarray:
+def empty_on_line(dtype: np.dtype, shape: Sequence[int], name: str, start: int = 0, zero: bool = False) -> np.ndarray:
     """A fresh uninitialised C-contiguous array that starts on a 64-byte cache line (a view into a
     slightly larger uint8 array); `name` is the argument an error names."""
 
