@@ -35,20 +35,16 @@ import pyattn
 from pyattn import reference
 
 try:  # the one tolerance table of the suite
-    from conftest import TOL
+    from conftest import tol
 except ImportError:  # pragma: no cover - run from elsewhere
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from conftest import TOL
+    from conftest import tol
 
 try:
     import ml_dtypes
 except ImportError:  # pragma: no cover - optional
     ml_dtypes = None
 
-# float16/bfloat16 inputs are computed in float32 and returned in their own dtype; their results are
-# held to this tolerance (the rounding of the output dominates: 2^-11 relative for float16, 2^-8 for
-# bfloat16) against the float64 reference on the same 16-bit values.
-HALF_TOL = {"float16": (4e-3, 4e-3), "bfloat16": (3e-2, 3e-2)}
 
 # Tags counted over a run (a crude coverage report; hypothesis `event`s show the same in
 # `pytest --hypothesis-show-statistics`).
@@ -468,12 +464,12 @@ def largest_finite_norm(x) -> float:
 
 
 def _compare(got, want, dtype, factor=1.0):
-    """pyattn's result vs the float64 reference with TOL (HALF_TOL for reduced precision), widened by
+    """pyattn's result vs the float64 reference with conftest's tolerance for its dtype, widened by
     `factor` (_score_factor) for calls whose scores are larger than the table assumes."""
     assert isinstance(got, np.ndarray), type(got)
     assert got.shape == want.shape, (got.shape, want.shape)
     assert got.dtype == dtype, (got.dtype, dtype)
-    rtol, atol = TOL.get(dtype.type) or HALF_TOL[dtype.name]
+    rtol, atol = tol(dtype)
     np.testing.assert_allclose(np.asarray(got, dtype=np.float64), want, rtol=rtol * factor, atol=atol * factor)
 
 

@@ -56,10 +56,10 @@ try:  # the one tolerance table of the suite, and what the two fuzzers share
 except ImportError:  # pragma: no cover - run from elsewhere
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     import fuzz_api
-from fuzz_api import TOL, _np_dtype, ml_dtypes
+from fuzz_api import _np_dtype, ml_dtypes, tol
 from fuzz_api import _layout as fuzz_api_layout
 from fuzz_cache_mistakes import MISTAKES, KnownIssue, Mistakes
-from fuzz_cache_model import (MAX_ELEMENTS, MAX_EMBED, STORE_TOL, Model, Snapshot, _bits, _compare, _f64,
+from fuzz_cache_model import (MAX_ELEMENTS, MAX_EMBED, Model, Snapshot, _bits, _compare, _f64,
                               _score_factor)
 
 # Tags counted over a run (a crude coverage report; hypothesis `event`s show the same in
@@ -426,7 +426,8 @@ class Runner(Mistakes):
         hd = self.d
         kp = (x64 @ w64["k"].T + w64["bk"]).reshape(self.batch, chunk, self.hk, hd).transpose(0, 2, 1, 3)
         vp = (x64 @ w64["v"].T + w64["bv"]).reshape(self.batch, chunk, self.hk, hd).transpose(0, 2, 1, 3)
-        rtol, atol = STORE_TOL.get(self.storage.name) or TOL[self.storage.type]
+        name = self.storage.name
+        rtol, atol = tol(f"stored {name}" if name in ("float16", "bfloat16") else self.storage)
         for b in range(self.batch):
             rows, pos, n = m.real_rows(b), int(before[b]), int(counts[b])
             for name, stored, model, proj in (("key", self.cache._k, m.k, kp), ("value", self.cache._v, m.v, vp)):

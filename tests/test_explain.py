@@ -9,12 +9,14 @@ import unicodedata
 
 import numpy as np
 import pytest
-from conftest import TOL
+from conftest import tol
 
 import pyattn
 from pyattn import reference
 from pyattn._explain import explain, render_text
 from pyattn._explain_render import format_table
+
+F64 = dict(zip(("rtol", "atol"), tol(np.float64)))  # explain computes in float64
 
 CJK_TOKENS = ["我", "用", "毒", "毒", "毒", "蛇"]
 
@@ -92,9 +94,9 @@ def test_intermediates_match_independent_computation(rng, case, num_kv_heads, se
     q = np.einsum("le,fe->lf", x, wq) + bq
     k = np.einsum("le,fe->lf", x, wk) + bk
     v = np.einsum("le,fe->lf", x, wv) + bv
-    np.testing.assert_allclose(ex.q, q, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(ex.k, k, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(ex.v, v, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(ex.q, q, **F64)
+    np.testing.assert_allclose(ex.k, k, **F64)
+    np.testing.assert_allclose(ex.v, v, **F64)
     assert ex.scale == 1 / np.sqrt(head_dim)
 
     # The mask in SDPA terms: bool True = may attend, float -inf = forbidden, other floats added.
@@ -117,16 +119,16 @@ def test_intermediates_match_independent_computation(rng, case, num_kv_heads, se
     for h, head in enumerate(ex.heads):
         assert head.kv_head == h // group
         scores = np.einsum("id,jd->ij", q_heads[h], k_heads[h])
-        np.testing.assert_allclose(head.scores, scores, rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(head.scaled_scores, scores * ex.scale, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(head.scores, scores, **F64)
+        np.testing.assert_allclose(head.scaled_scores, scores * ex.scale, **F64)
         expected_masked = np.where(additive[h] == -np.inf, -np.inf, scores * ex.scale + additive[h])
-        np.testing.assert_allclose(head.masked_scores, expected_masked, rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(head.weights, ref_weights[h], rtol=1e-12, atol=1e-14)
-        np.testing.assert_allclose(head.output, ref_out[h], rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(head.masked_scores, expected_masked, **F64)
+        np.testing.assert_allclose(head.weights, ref_weights[h], **F64)
+        np.testing.assert_allclose(head.output, ref_out[h], **F64)
     concat = ref_out.transpose(1, 0, 2).reshape(seq_len, embed_dim)
-    np.testing.assert_allclose(ex.concat, concat, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(ex.concat, concat, **F64)
     expected = np.einsum("le,fe->lf", concat, w["out_proj.weight"]) + w["out_proj.bias"]
-    np.testing.assert_allclose(ex.output, expected, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(ex.output, expected, **F64)
 
 
 def test_causal_weights_exactly_zero_above_diagonal_rows_sum_to_one(rng):
@@ -135,7 +137,7 @@ def test_causal_weights_exactly_zero_above_diagonal_rows_sum_to_one(rng):
     above = np.triu(np.ones((9, 9), dtype=bool), k=1)
     assert np.all(ex.weights[:, above] == 0.0)
     assert np.all(ex.weights[:, ~above] > 0.0)
-    np.testing.assert_allclose(ex.weights.sum(-1), 1.0, rtol=0, atol=1e-14)
+    np.testing.assert_allclose(ex.weights.sum(-1), 1.0, rtol=0, atol=F64["atol"])
     assert np.all(ex.heads[0].masked_scores[above] == -np.inf)
 
 
@@ -150,7 +152,7 @@ def test_fully_masked_row_gives_zero_weights_and_bias_output(rng):
     assert np.all(ex.weights[:, 2] == 0.0)
     assert np.all(ex.concat[2] == 0.0)
     np.testing.assert_array_equal(ex.output[2], w["out_proj.bias"])
-    np.testing.assert_allclose(ex.weights[:, [0, 1, 3]].sum(-1), 1.0, rtol=0, atol=1e-14)
+    np.testing.assert_allclose(ex.weights[:, [0, 1, 3]].sum(-1), 1.0, rtol=0, atol=F64["atol"])
     assert np.all(np.isfinite(ex.output[[0, 1, 3]]))  # (query 4 itself is NaN and so is its row)
 
 
@@ -251,7 +253,7 @@ def test_output_matches_pyattn_mha(rng, case, num_kv_heads, separate):
         x, is_causal=is_causal, attn_mask=attn_mask, key_padding_mask=padding,
         need_weights=True, average_attn_weights=False, **kwargs,
     )  # fmt: skip
-    rtol, atol = TOL[np.float64]
+    rtol, atol = tol(np.float64)
     np.testing.assert_allclose(out, ex.output, rtol=rtol, atol=atol)
     np.testing.assert_allclose(weights, ex.weights, rtol=rtol, atol=atol)
 
@@ -264,7 +266,7 @@ def test_batched_output_matches_pyattn_mha_and_layer_object(rng):
     padding[0, 4:] = True
     out = pyattn.mha(x, key_padding_mask=padding, is_causal=True, **mha_kwargs(w))
     batch = explain(x, w, key_padding_mask=padding, is_causal=True)
-    rtol, atol = TOL[np.float64]
+    rtol, atol = tol(np.float64)
     np.testing.assert_allclose(out, np.stack([ex.output for ex in batch]), rtol=rtol, atol=atol)
     if hasattr(pyattn, "MultiHeadAttention"):
         layer = pyattn.MultiHeadAttention(8, 2, num_kv_heads=1, dtype=np.float64, seed=3)
@@ -287,8 +289,8 @@ def test_output_matches_torch_multihead_attention(rng):
             average_attn_weights=False,
         )
     (ex,) = explain(x, module, key_padding_mask=padding, is_causal=True)
-    np.testing.assert_allclose(ex.output, out[0].numpy(), rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(ex.weights, weights[0].numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(ex.output, out[0].numpy(), **F64)
+    np.testing.assert_allclose(ex.weights, weights[0].numpy(), **F64)
 
 
 def width(text):

@@ -2,7 +2,7 @@
 """Hypothesis invariants of attention, each also held against the float64 reference where it applies."""
 
 import numpy as np
-from conftest import DTYPES, TOL, assert_close, check_against_reference, make_qkv
+from conftest import DTYPES, assert_close, tol, check_against_reference, make_qkv
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -44,7 +44,7 @@ def test_weights_rows_sum_to_one(isa, problem):
     _, weights = check_against_reference(q, k, v, mask, return_weights=True)
     assert np.all(weights >= 0)
     sums = weights.astype(np.float64).sum(axis=-1)
-    np.testing.assert_allclose(sums, 1.0, rtol=0, atol=weights.shape[-1] * TOL[dtype][1])
+    np.testing.assert_allclose(sums, 1.0, rtol=0, atol=weights.shape[-1] * tol(dtype)[1])
 
 
 @PROPERTY
@@ -88,5 +88,5 @@ def test_large_inputs_stay_finite(isa, problem, magnitude, causal):
     q, k, v = (a * dtype(magnitude) for a in (q, k, v))
     out = sdpa(q, k, v, mask, is_causal=causal)
     assert np.isfinite(out).all()
-    bound = np.abs(v).max() * (1 + 10 * TOL[dtype][0])
+    bound = np.abs(v).max() * (1 + 10 * tol(dtype)[0])
     assert np.all(np.abs(out) <= bound)

@@ -6,7 +6,7 @@ Every row keeps at least one allowed key: torch returns NaN for fully masked row
 
 import numpy as np
 import pytest
-from conftest import assert_close, make_qkv, random_mask
+from conftest import assert_close, make_qkv, random_mask, tol
 
 import pyattn
 
@@ -108,7 +108,8 @@ def test_mha_and_explain_take_tensors_that_require_grad(rng):
                                              out_proj_weight=weights["out_proj.weight"],
                                              out_proj_bias=weights["out_proj.bias"]), expected)
     explained = pyattn.explain(x[0], {**weights, "num_heads": 4})
-    np.testing.assert_allclose(explained.output, expected[0], rtol=1e-5, atol=1e-5)
+    rtol, atol = tol(np.float32)
+    np.testing.assert_allclose(explained.output, expected[0], rtol=rtol, atol=atol)
     with pytest.raises(TypeError, match="^query: dtype must be float32 or float64, got bfloat16"):
         pyattn.mha(x.bfloat16(), num_heads=4, in_proj_weight=weights["in_proj_weight"],
                    out_proj_weight=weights["out_proj.weight"])
