@@ -111,9 +111,17 @@ class KVCache:
 
     Parameters
     ----------
-    batch, num_kv_heads, head_dim, max_len : int
+    batch : int
+        Batch rows (sequences decoded together); each has its own length.
+    num_kv_heads : int
+        Key/value heads; the queries that attend may have a multiple of this many heads (GQA).
+    head_dim : int
+        Features per key (and query) head.
+    max_len : int
+        Tokens each row can hold; the storage is allocated once (zero pages are not touched until
+        written).
     value_dim : int, optional
-        Defaults to head_dim.
+        Features per value head; defaults to head_dim.
     dtype : float32 (default), float64, float16 or bfloat16
         Storage dtype. 16-bit caches are read by the core directly and computed in float32.
 
@@ -341,7 +349,8 @@ class KVCache:
         return self._filled(self._k, row)
 
     def values(self, row=None):
-        """View of the filled values, like keys()."""
+        """View of the filled values of batch row `row` (or of all rows when `row` is None and they
+        have the same length), like keys()."""
         return self._filled(self._v, row)
 
     # -- attention ----------------------------------------------------------------------------------

@@ -237,6 +237,8 @@ def plot_heatmaps(explanations, path, *, titles=None, dpi=150):
         Output file; the format follows the suffix (.png, .svg, .pdf).
     titles : sequence of str, optional
         One title per explanation (default: its mask).
+    dpi : int
+        Resolution of raster output (matplotlib's savefig dpi).
 
     Token labels use an installed CJK font when fontconfig finds one (e.g. Debian's fonts-noto-cjk or
     fonts-wqy-zenhei); without one, CJK labels draw as boxes and matplotlib's missing-glyph warnings

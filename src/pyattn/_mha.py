@@ -319,7 +319,7 @@ def mha(query, key=None, value=None, *, num_heads, in_proj_weight=None, in_proj_
         Stacked q/k/v projection (embed_dim + 2 * num_kv_heads * head_dim, embed_dim) and its bias,
         when kdim == vdim == embed_dim. Otherwise pass q_proj_weight (embed_dim, embed_dim),
         k_proj_weight (num_kv_heads * head_dim, kdim), v_proj_weight (num_kv_heads * head_dim, vdim)
-        and optionally q/k/v_proj_bias (or one in_proj_bias).
+        and optionally q_proj_bias, k_proj_bias, v_proj_bias (or one in_proj_bias).
     out_proj_weight, out_proj_bias : ndarray
         (embed_dim, embed_dim) and (embed_dim,); the bias is optional.
     attn_mask : ndarray, optional
