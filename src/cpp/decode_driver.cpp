@@ -82,12 +82,11 @@ Split decode_split(const AttnArgs<T>& a, const KernelSet<T>& ks, int64_t tasks, 
 
 // The facts plan_decode goes by.
 template <class T>
-DecodeFacts decode_facts(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_threads) {
+DecodeFacts decode_facts(const AttnArgs<T>& a, int num_threads) {
   DecodeFacts f;
   f.kv_bytes = a.batch_heads / a.group * a.kv_len * (a.head_dim + a.value_dim) * a.kv_item_bytes();
   f.rows_per_kv_head = a.rows_per_kv_head();
   f.half_kv = a.kv_storage != Storage::same;
-  f.float32_in_256_bits = sizeof(T) == 4 && ks.lanes <= 8;
   f.threads = num_threads;
   return f;
 }
@@ -96,7 +95,7 @@ DecodeFacts decode_facts(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_t
 
 template <class T>
 void attend_decode(const AttnArgs<T>& a, const KernelSet<T>& ks, const Tuning& tuning, int num_threads) {
-  const DecodePlan plan = plan_decode(decode_facts(a, ks, num_threads), tuning);
+  const DecodePlan plan = plan_decode(decode_facts(a, num_threads), tuning);
   const int64_t rows_total = a.rows_per_kv_head(), group = a.group;
   const int64_t kv_heads = a.num_heads / group;  // key/value heads per batch entry
   const int64_t row_chunks = ceil_div(rows_total, kDecodeMaxRows);

@@ -149,11 +149,11 @@ DecodePlan plan_decode(const DecodeFacts& f, const Tuning& t) {
   const bool from_memory = llc > 0 && 2 * f.kv_bytes >= llc;
   DecodePlan p;
   // Software prefetch of the K and V streams, where the hardware prefetchers alone leave the cores
-  // waiting: generically where long arithmetic per K/V row (16-bit rows, or float32 in 256-bit
-  // vectors, for 4+ query rows) stops a core issuing loads while K/V come from memory. Intel: every
-  // K/V that outgrows the threads' L2s, float32 too. Zen 5: every K/V that outgrows the last-level
-  // cache (with one stream, below).
-  bool prefetch = busy && (f.half_kv || f.float32_in_256_bits) && from_memory;
+  // waiting: generically where long arithmetic per K/V row (16-bit rows converted for 4+ query rows)
+  // stops a core issuing loads while K/V come from memory. Intel: every K/V that outgrows the
+  // threads' L2s, float32 too. Zen 5: every K/V that outgrows the last-level cache (with one stream,
+  // below).
+  bool prefetch = busy && f.half_kv && from_memory;
   if (intel) prefetch = l2 > 0 && f.kv_bytes > int64_t(std::max(f.threads, 1)) * l2;
   if (zen5) prefetch = llc > 0 && f.kv_bytes >= llc;
   p.prefetch_kv = forced(o.decode_prefetch) ? o.decode_prefetch != 0 : prefetch;
@@ -166,10 +166,8 @@ DecodePlan plan_decode(const DecodeFacts& f, const Tuning& t) {
   const bool one_part = zen5 || (!intel && p.prefetch_kv);
   p.streams = forced(o.decode_streams) ? int(o.decode_streams)
                                        : one_part ? 1 : !f.half_kv || from_memory ? kManyStreams : 1;
-  // 16-bit blocks of 64 keys where 4+ query rows share each K/V row: on Zen 5, and on Intel where
-  // K/V stay in the caches (the step then bound by its arithmetic).
-  const bool long_blocks = busy && (zen5 || (intel && !from_memory));
-  p.block16 = forced(o.decode_block16) ? int(o.decode_block16) : long_blocks ? kBlock16Long : kBlock16Short;
+  // 16-bit blocks of 64 keys where 4+ query rows share each K/V row, on Zen 5.
+  p.block16 = forced(o.decode_block16) ? int(o.decode_block16) : busy && zen5 ? kBlock16Long : kBlock16Short;
   // Interleaved K/V heads are read across the heads (each key's rows of all heads in turn, in address
   // order), except on Zen 5, where chunk by chunk with one prefetched stream is faster but for 16-bit
   // K/V with fewer than 4 query rows per K/V row.
@@ -194,8 +192,8 @@ int64_t gemm_task_tiles(const CpuInfo& cpu, int64_t packed_bytes, int64_t tile_b
 
 int64_t kv_storage_offset(const CpuInfo& cpu, int64_t itemsize, bool bfloat16) {
   // float32/float64 rows start on a line: a 64-byte vector load across two lines costs two. bfloat16
-  // rows are read two vectors per load, which the offset splits: on a line on Zen 5 and Intel.
-  if (bfloat16 && (cpu.amd_zen5_on() || cpu.vendor == CpuVendor::intel)) return 0;
+  // rows are read two vectors per load, which the offset splits: on a line on Zen 5.
+  if (bfloat16 && cpu.amd_zen5_on()) return 0;
   return itemsize == 2 ? kHalfStorageOffset : 0;
 }
 

@@ -127,7 +127,6 @@ struct DecodeFacts {
   int64_t kv_bytes;          // every K and V row of the call as stored
   int64_t rows_per_kv_head;  // query rows that read each K/V row (GQA group x q_len)
   bool half_kv;              // K/V stored as 16-bit floats
-  bool float32_in_256_bits;  // float32 compute in vectors of 8 lanes (AVX2)
   int threads;
 };
 DecodePlan plan_decode(const DecodeFacts& f, const Tuning& t);
