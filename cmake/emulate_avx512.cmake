@@ -4,7 +4,8 @@
 # CMakeLists.txt with PYATTN_EMULATE_AVX512=ON, after the per-ISA flags are set: it replaces the
 # avx512 objects' flags and tells dispatch.cpp to report AVX-512 wherever AVX2 runs.
 if(MSVC)
-  message(FATAL_ERROR "PYATTN_EMULATE_AVX512 needs GCC or Clang")
+  message(WARNING "PYATTN_EMULATE_AVX512 needs GCC or Clang: ignored")
+  return()
 endif()
 # -Wno-psabi: SIMDe's 64-byte vector types passed by value on AVX2 draw GCC's ABI-change note.
 set(PYATTN_FLAGS_avx512 -mavx2 -mfma -mf16c -Wno-psabi -DPYATTN_EMULATE_AVX512=1)
