@@ -439,7 +439,7 @@ py::object sdpa_simple(const py::object& q_obj, const py::object& k_obj, const p
 
 }  // namespace
 
-void bind_mha(py::module_& m);      // bindings_mha.cpp
+void bind_mha(py::module_& m);  // bindings_mha.cpp
 void bind_runtime(py::module_& m);  // bindings_runtime.cpp
 
 }  // namespace pyattn
