@@ -123,14 +123,26 @@ def print_peer_isa(env: dict[str, str]) -> None:
               "onnxruntime and NumPy's OpenBLAS use their own kernels")
 
 
-def measure_ceilings(core, threads: int, quick: bool) -> dict[str, float | None]:
-    """FMA peak (GFLOP/s, float32) and streaming read bandwidth (GB/s) measured by pyattn._core,
-    when the extension has those functions (None otherwise)."""
+def machine(pyattn):
+    """The module of the machine's ceilings (fma_peak_gflops, read_bandwidth_gbs, read_buffers_gbs,
+    each with pyattn's ISA): pyattn._machine, or pyattn._core in builds from before the ceilings had a
+    module of their own (so that an old build can be benchmarked against a new one)."""
+    try:
+        from pyattn import _machine
+    except ImportError:
+        return pyattn._core
+    return _machine
+
+
+def measure_ceilings(pyattn, threads: int, quick: bool) -> dict[str, float | None]:
+    """FMA peak (GFLOP/s, float32) and streaming read bandwidth (GB/s) of pyattn's ISA (machine()),
+    when the build has those functions (None otherwise)."""
     ceilings: dict[str, float | None] = {"fma_peak_gflops": None, "read_bandwidth_gbs": None}
-    if hasattr(core, "fma_peak_gflops"):
-        ceilings["fma_peak_gflops"] = float(core.fma_peak_gflops(threads, 0.1 if quick else 0.5))
-    if hasattr(core, "read_bandwidth_gbs"):
-        ceilings["read_bandwidth_gbs"] = float(core.read_bandwidth_gbs(threads, 1 << (28 if quick else 30)))
+    ceiling = machine(pyattn)
+    if hasattr(ceiling, "fma_peak_gflops"):
+        ceilings["fma_peak_gflops"] = float(ceiling.fma_peak_gflops(threads, 0.1 if quick else 0.5))
+    if hasattr(ceiling, "read_bandwidth_gbs"):
+        ceilings["read_bandwidth_gbs"] = float(ceiling.read_bandwidth_gbs(threads, 1 << (28 if quick else 30)))
     return ceilings
 
 

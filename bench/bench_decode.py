@@ -33,7 +33,7 @@ on. In a model, the step of one layer comes after the steps of all the others, w
 weights have passed through the CPU caches in between: this layer's K/V come from memory. With
 ``--cold`` every timed call (every library's alike) is preceded, untimed, by one pass of the same
 library's threads over a buffer of twice the last-level cache plus every core's L2, at least 256 MiB
-(pyattn: ``_core.read_buffers_gbs(..., repeats=1)``; torch: ``Tensor.sum``), which evicts them (the
+(pyattn: ``_machine.read_buffers_gbs(..., repeats=1)``; torch: ``Tensor.sum``), which evicts them (the
 practice of GPU benchmarks such as ``triton.testing.do_bench``, which clears the L2 before each run).
 Each library evicts with its own threads, so that no other thread pool is still spinning when its
 call starts. NumPy is the exception: it has no threads of its own to read a buffer with (its
@@ -64,9 +64,9 @@ float32: the 16-bit rows compare pyattn's 16-bit cache against those same float3
 Columns: ms = median over runs after warm-up (runs repeat until --min-time s and --min-runs runs);
 GB/s = bytes of K and V actually stored for the S filled tokens (B*Hkv*S*(D+Dv)*itemsize of the
 storage dtype; each K/V row is read once per GQA group) / median time; %bw = of the streaming read
-bandwidth measured at start-up in the same run (``pyattn._core.read_bandwidth_gbs(T, 1 << 30)``);
+bandwidth measured at start-up in the same run (``pyattn._machine.read_bandwidth_gbs(T, 1 << 30)``);
 rows whose K+V fit in the last-level cache can exceed 100%. read = GB/s of a plain streaming read of
-this row's own K and V arrays (``pyattn._core.read_buffers_gbs([K, V], T)``, same threads, measured
+this row's own K and V arrays (``pyattn._machine.read_buffers_gbs([K, V], T)``, same threads, measured
 just before and just after the row, the higher of the two): the ceiling for exactly these pages, which also reflects whether the OS backed
 them (and the 1 GiB buffer) with transparent huge pages, worth up to 2x on some machines; with
 --cold, the median of 7 reads, each after the same eviction pass as the timed calls: the ceiling of
@@ -95,6 +95,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from _common import (
+    machine,
     BUSY_WARN_CPUS,
     ENVIRONMENT_HELP,
     BackgroundLoad,
@@ -249,11 +250,11 @@ def kv_read_gbs(pyattn, cache, threads, flush=None) -> float:
     how much of the K/V an eviction pass leaves in the last-level cache varies from pass to pass."""
     arrays = [cache.keys().view(np.uint8), cache.values().view(np.uint8)]
     if flush is None:
-        return float(pyattn._core.read_buffers_gbs(arrays, threads))
+        return float(machine(pyattn).read_buffers_gbs(arrays, threads))
     reads = []
     for _ in range(COLD_READS):
-        pyattn._core.read_buffers_gbs([flush], threads, repeats=1)
-        reads.append(float(pyattn._core.read_buffers_gbs(arrays, threads, repeats=1)))
+        machine(pyattn).read_buffers_gbs([flush], threads, repeats=1)
+        reads.append(float(machine(pyattn).read_buffers_gbs(arrays, threads, repeats=1)))
     return float(np.median(reads))
 
 
@@ -265,7 +266,7 @@ def evictors(pyattn, args, names) -> dict | None:
         return None
 
     def by_pyattn():
-        pyattn._core.read_buffers_gbs([args.flush], args.threads, repeats=1)
+        machine(pyattn).read_buffers_gbs([args.flush], args.threads, repeats=1)
 
     before = dict.fromkeys(names, by_pyattn)
     if "torch" in before:
@@ -388,7 +389,7 @@ def measure_bandwidth(pyattn, args) -> tuple[float, float | None]:
         if args.wait_idle > 0:
             wait_for_idle(args.wait_idle)
         with BackgroundLoad() as load:
-            gbs = float(pyattn._core.read_bandwidth_gbs(args.threads, 1 << 30))
+            gbs = float(machine(pyattn).read_bandwidth_gbs(args.threads, 1 << 30))
         if load.cpus is None or load.cpus <= BUSY_WARN_CPUS:
             break
     return gbs, load.cpus
@@ -612,8 +613,9 @@ def main(argv=None) -> int:
     args.flush = None
     if args.cold:
         rt = pyattn.runtime_info()
-        llc = rt.get("l3_cache_bytes") or 0
-        l2 = rt.get("l2_cache_bytes") or 0
+        cpu = rt.get("cpu", {})  # builds before the tuning module: flat keys
+        llc = cpu.get("llc_bytes", rt.get("l3_cache_bytes")) or 0
+        l2 = cpu.get("l2_bytes", rt.get("l2_cache_bytes")) or 0
         nbytes = max(2 * (llc + (os.cpu_count() or 1) * l2), 256 << 20) if llc else 512 << 20
         args.flush = np.ones(nbytes, np.uint8)  # written, so backed by pages before any timing
 

@@ -47,7 +47,7 @@ against a float64 matmul.
 
 Columns: ms = median over runs after warm-up (runs repeat until both --min-time s and --min-runs runs);
 GFLOP/s from the formula below; %peak = of the FMA peak measured in this run
-(``pyattn._core.fma_peak_gflops(threads, 0.5)``, float32, best ISA; the best of 3 readings before the
+(``pyattn._machine.fma_peak_gflops(threads, 0.5)``, float32, best ISA; the best of 3 readings before the
 rows and 1 after them); ``<peer> x`` = peer ms / pyattn ms (> 1: pyattn is faster); bg = CPUs other
 processes kept busy during the row (with --wait-idle, disturbed rows are redone up to twice).
 
@@ -84,6 +84,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from _common import (
+    machine,
     BUSY_WARN_CPUS,
     ENVIRONMENT_HELP,
     BackgroundLoad,
@@ -504,7 +505,7 @@ def measure_peak(pyattn, args, readings: int = 3) -> tuple[float, float | None]:
     best, busy = 0.0, None
     for _ in range(readings):
         with BackgroundLoad() as load:
-            peak = float(pyattn._core.fma_peak_gflops(args.threads, 0.1 if args.quick else 0.5))
+            peak = float(machine(pyattn).fma_peak_gflops(args.threads, 0.1 if args.quick else 0.5))
         if peak > best:
             best, busy = peak, load.cpus
     return best, busy

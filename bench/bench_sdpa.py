@@ -62,6 +62,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from _common import (
+    machine,
     BUSY_WARN_CPUS,
     ENVIRONMENT_HELP,
     BackgroundLoad,
@@ -397,9 +398,9 @@ def print_header(info: dict, peers: list[str]) -> None:
     print_peer_isa(info["peer_isa_env"])
     print(
         "ceilings (measured now): FMA peak (pyattn's ISA) "
-        + (f"{fma:.1f} GFLOP/s" if fma else "n/a (pyattn._core.fma_peak_gflops missing)")
+        + (f"{fma:.1f} GFLOP/s" if fma else "n/a (pyattn._machine.fma_peak_gflops missing)")
         + ", read bandwidth "
-        + (f"{bw:.1f} GB/s" if bw else "n/a (pyattn._core.read_bandwidth_gbs missing)")
+        + (f"{bw:.1f} GB/s" if bw else "n/a (pyattn._machine.read_bandwidth_gbs missing)")
     )
     for line in openblas_env_warnings():
         print(line)
@@ -413,7 +414,7 @@ def print_header(info: dict, peers: list[str]) -> None:
     print("%peak = of the FMA peak measured right before and after the row (the higher; the machine drifts)")
     print("GB/s (decode rows only) = bytes of K+V / time (mask rows: all of K+V, though the padding is not"
           " read); %bw = of the read bandwidth above; %rd = of a plain streaming read of the row's own K and V"
-          " arrays (pyattn._core.read_buffers_gbs, same threads)")
+          " arrays (pyattn._machine.read_buffers_gbs, same threads)")
     print(
         "bg = CPUs other processes kept busy during the row (machine busy time - this process's);"
         f" rows with bg > {BUSY_WARN_CPUS} are noisy"
@@ -457,10 +458,10 @@ def run_row(pyattn, case, variant, inputs, mask, peers, args, ceilings) -> dict:
     q, k, v = inputs
     is_causal = pyattn_is_causal(case, variant)
     own_read = None
-    if case.is_decode and hasattr(pyattn._core, "read_buffers_gbs"):
+    if case.is_decode and hasattr(machine(pyattn), "read_buffers_gbs"):
         # The read ceiling of these very K/V pages (huge pages or not), measured just before the row.
         arrays = [np.ascontiguousarray(k).view(np.uint8), np.ascontiguousarray(v).view(np.uint8)]
-        own_read = float(pyattn._core.read_buffers_gbs(arrays, args.threads))
+        own_read = float(machine(pyattn).read_buffers_gbs(arrays, args.threads))
     fns = {
         "pyattn": lambda: pyattn.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal, num_threads=args.threads
@@ -475,7 +476,7 @@ def run_row(pyattn, case, variant, inputs, mask, peers, args, ceilings) -> dict:
     # The FMA peak right before and after the row (the higher one): on a shared VM the machine's speed
     # drifts by 20-40% within a run (a Zen 3 host measured 126-184 GFLOP/s at the start of three runs
     # on one morning), so %peak is taken against the row's own spell, like %rd for the decode rows.
-    measure_peak = getattr(pyattn._core, "fma_peak_gflops", None)
+    measure_peak = getattr(machine(pyattn), "fma_peak_gflops", None)
     peak_seconds = 0.05 if args.quick else 0.15
     row_peak = [float(measure_peak(args.threads, peak_seconds))] if measure_peak else []
     timed = time_interleaved(
@@ -698,7 +699,7 @@ def main(argv=None) -> int:
     peers, versions = detect_peers(args.peers)
     args.blas_limit, blas_threads = blas_thread_limiter(args.threads)
     busy = wait_for_idle(args.wait_idle)  # before anything of ours runs
-    ceilings = measure_ceilings(pyattn._core, args.threads, args.quick)
+    ceilings = measure_ceilings(pyattn, args.threads, args.quick)
     info = machine_info(pyattn, args.threads, versions, blas_threads, ceilings, busy, args)
     print_header(info, peers)
 

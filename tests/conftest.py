@@ -1,7 +1,6 @@
 # SPDX-License-Identifier: MIT
 """Shared fixtures and helpers: seeded rng, per-ISA fixture, the one tolerance table, input builders."""
 
-import contextlib
 import os
 
 import numpy as np
@@ -9,6 +8,7 @@ import pytest
 
 import pyattn
 from pyattn import reference
+from pyattn._tuning import PROFILES, override
 
 # (rtol, atol) of pyattn's results against the float64 reference, by result dtype: the only
 # tolerance table of the suite (tests and fuzzers alike; helpers widen it only by a computed factor
@@ -39,28 +39,13 @@ def tol(dtype):
 DTYPES = [np.float32, np.float64]
 
 
-@contextlib.contextmanager
-def core_setting(setter, value):
-    """Runs the body with one of the core's test switches (a _core._set_* function returning the
-    previous value) set to value, and restores it."""
-    previous = setter(value)
-    try:
-        yield
-    finally:
-        setter(previous)
-
-
-def assert_default_takes(call, setting, choices, expected):
-    """call() with the core's default settings gives the bits of call() under `setting(expected)`
-    (a context manager such as core_setting), and the two `choices` of that setting give different
-    bits (else the comparison could not tell them apart)."""
-    got = call()
-    by_choice = {}
-    for n in choices:
-        with setting(n):
-            by_choice[n] = call()
-    assert not np.array_equal(by_choice[choices[0]], by_choice[choices[1]]), f"{choices} agree bit for bit"
-    np.testing.assert_array_equal(got, by_choice[expected])
+@pytest.fixture(params=sorted(PROFILES))
+def cpu_profile(request):
+    """Makes the core's planner see each CPU it has rules for (Intel, AMD Zen 3, Zen 4, Zen 5), an
+    unknown vendor and unknown cache sizes in turn, whatever CPU runs the tests
+    (pyattn._tuning.PROFILES), and restores the probed CPU afterwards."""
+    with override(**PROFILES[request.param]):
+        yield request.param
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import pytest
 from conftest import make_qkv
 
 import pyattn
+import pyattn._machine
 
 sdpa = pyattn.scaled_dot_product_attention
 
@@ -426,20 +427,18 @@ def test_runtime_info_keys():
     assert list(info["available_isas"]) == list(pyattn.available_isas())
     assert info["version"] == pyattn.__version__
     assert isinstance(info["num_threads"], int) and info["num_threads"] >= 1
-    # CPUID's cache sizes: 0 (unknown) or a plausible size, L3 (where there is one) not below L2.
-    l2, l3 = info["l2_cache_bytes"], info["l3_cache_bytes"]
-    assert l2 == 0 or 64 * 1024 <= l2 <= 64 * 1024 * 1024
-    assert l3 == 0 or l3 >= l2
-    assert pyattn._core.cache_bytes(0) == pyattn._core.cache_bytes(4) == 0
-    # CPUID's vendor: 12 printable characters on x86 (what the decode prefetch rule keys on).
-    vendor = info["cpu_vendor"]
-    assert vendor == "" or (len(vendor) == 12 and vendor.isprintable())
-    # CPUID's display family (the AMD decode rule keys on it too): 0 off x86, else 3..0xff + 0xf.
-    family = pyattn._core.cpu_family()
-    assert (family == 0) == (vendor == "") and 0 <= family <= 0xF + 0xFF
-    # The per-vendor rules' predicates (the driver's decode rules and KVCache's placement use them).
-    assert pyattn._core.cpu_is_intel() == (vendor == "GenuineIntel")
-    assert pyattn._core.cpu_is_amd_zen5_on() == (vendor == "AuthenticAMD" and family >= 0x1A)
+    # The CPU as the tuning module plans with it (CPUID): a known vendor or "unknown", the display
+    # family (0 off x86, else 3 .. 0xf + 0xff), cache sizes 0 (unknown) or plausible, the last level
+    # not below L2, and the ISA features agreeing with the ISAs this CPU runs.
+    cpu = info["cpu"]
+    assert set(cpu) == {"vendor", "family", "model", "l1d_bytes", "l2_bytes", "llc_bytes", "avx2", "avx512"}
+    assert cpu["vendor"] in ("intel", "amd", "unknown")
+    assert 0 <= cpu["family"] <= 0xF + 0xFF and 0 <= cpu["model"] <= 0xFF
+    assert cpu["l2_bytes"] == 0 or 64 * 1024 <= cpu["l2_bytes"] <= 64 * 1024 * 1024
+    assert cpu["llc_bytes"] >= cpu["l2_bytes"]
+    assert cpu["avx2"] == ("avx2" in info["available_isas"])
+    assert cpu["avx512"] == ("avx512" in info["available_isas"])
+    assert cpu == pyattn._core.cpu_info()
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 63, 255, 257, 4096 + 17])
@@ -450,17 +449,27 @@ def test_read_buffers_every_length(isa, nbytes):
     parent = np.full(nbytes + 128, 0xAB, np.uint8)
     buf = parent[64:64 + nbytes]
     before = buf.copy()
-    gbs = pyattn._core.read_buffers_gbs([buf, parent[:3]], 2)
+    gbs = pyattn._machine.read_buffers_gbs([buf, parent[:3]], 2)
     assert np.isfinite(gbs) and gbs >= 0
     np.testing.assert_array_equal(buf, before)
-    once = pyattn._core.read_buffers_gbs([buf], 1, repeats=1)
+    once = pyattn._machine.read_buffers_gbs([buf], 1, repeats=1)
     assert np.isfinite(once) and once >= 0
     np.testing.assert_array_equal(buf, before)
 
 
 def test_read_buffers_rejects_no_passes():
     with pytest.raises(ValueError, match="repeats"):
-        pyattn._core.read_buffers_gbs([np.zeros(64, np.uint8)], 1, repeats=0)
+        pyattn._machine.read_buffers_gbs([np.zeros(64, np.uint8)], 1, repeats=0)
+
+
+def test_machine_ceilings_take_only_isas_this_cpu_runs():
+    # The benchmark ceilings (pyattn._machine) run the loops of the ISA pyattn runs, or of one named
+    # among pyattn.available_isas(); any other name is refused before a loop runs.
+    for name in pyattn.available_isas():
+        assert pyattn._machine.fma_peak_gflops(1, 0.001, isa=name) > 0
+    for bad in ("sse9", *(n for n in ("avx2", "avx512") if n not in pyattn.available_isas())):
+        with pytest.raises(ValueError, match="isa"):
+            pyattn._machine.fma_peak_gflops(1, 0.001, isa=bad)
 
 
 def test_show_config_prints(capsys):

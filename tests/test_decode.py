@@ -30,8 +30,6 @@ import pytest
 from conftest import (
     TOL,
     assert_close,
-    assert_default_takes,
-    core_setting,
     make_qkv,
     nan_guarded,
     random_array,
@@ -42,6 +40,7 @@ from hypothesis import strategies as st
 
 import pyattn
 from pyattn import reference
+from pyattn._tuning import PROFILES, override
 
 try:
     import ml_dtypes
@@ -84,9 +83,9 @@ def f64(x):
 
 
 def group_tiles(on):
-    """How the query tiles take GQA groups: 1 (the default) a group's heads together (KernelSet::
-    attend_group), 0 head by head."""
-    return core_setting(pyattn._core._set_group_tiles, on)
+    """How the query tiles take GQA groups: 1 as the planner decides (a group's heads together,
+    KernelSet::attend_group), 0 head by head."""
+    return override(group_heads=None if on else 1)
 
 
 def assert_half_close(actual, expected, name):
@@ -518,37 +517,33 @@ def kv(rng, batch, heads, chunk, dim, dtype=np.float32):
     return rng.standard_normal((batch, heads, chunk, dim)).astype(dtype)
 
 
-def is_zen5():
-    """Whether the core's Zen 5 rules apply here (AMD, CPUID family 1Ah or later)."""
-    return pyattn._core.cpu_is_amd_zen5_on()
-
-
 @pytest.mark.parametrize("name", CACHE_DTYPES)
-def test_cache_storage_placement(name):
-    # A decode step streams a float32/float64 cache with 64-byte vector loads: its storage starts on a
-    # cache line (NumPy puts large arrays 16 bytes past a page, which splits every load). 16-bit
-    # storage starts 16 bytes past one, which measured faster from L3 and memory, except bfloat16 on
-    # Zen 5 (AMD, CPUID family 1Ah) and on Intel, on a line there.
+def test_cache_storage_placement(cpu_profile, name):
+    # A cache's storage starts where the tuning module says the decode kernel reads it fastest: a
+    # float32/float64 cache on a cache line (NumPy puts large arrays 16 bytes past a page, which splits
+    # every 64-byte load), a 16-bit one on a line or 16 bytes past one; for every CPU the planner knows.
     dtype = np_dtype(name)
-    intel = pyattn._core.cpu_vendor() == "GenuineIntel"
-    start = 16 if dtype.itemsize == 2 and not (name == "bfloat16" and (is_zen5() or intel)) else 0
+    start = pyattn._core.kv_storage_offset(dtype.itemsize, name == "bfloat16")
+    assert start in ((0, 16) if dtype.itemsize == 2 else (0,))
     for max_len in (3, 1000, 70000):
         cache = pyattn.KVCache(2, 3, 40, max_len, value_dim=24, dtype=name)
         assert cache.keys(0).ctypes.data % 64 == start and cache.values(0).ctypes.data % 64 == start
         assert cache.keys(0).base is not None  # still views of the storage, not copies
 
 
-@pytest.mark.parametrize("aligned", [False, True], ids=["16_bytes_past_a_line", "on_a_line"])
-def test_bfloat16_cache_either_placement(isa, rng, monkeypatch, aligned):
-    """A bfloat16 cache's storage starts where the CPU reads it fastest (on a line on Zen 5 and Intel,
-    16 bytes past one elsewhere): a decode step over either placement (GQA and one row per K/V row, ragged
-    lengths, 3 new tokens, head_dim with and without a tail) matches the reference, so each CPU
-    also tests the placement the others take."""
-    monkeypatch.setattr(pyattn._cache, "_BFLOAT16_ALIGNED", aligned)
-    for kv_heads, head_dim in ((2, 128), (8, 40)):
-        cache, q, new = ragged_cache_step(rng, "bfloat16", [700, 301, 3], kv_heads, 8, head_dim, q_len=3)
-        assert cache.keys(0).ctypes.data % 64 == (0 if aligned else 16)
-        assert_cache_step_close(cache.attend(q, num_threads=2), cache, q, new, "bfloat16")
+@pytest.mark.parametrize("profile", ["zen3", "zen5"], ids=["16_bytes_past_a_line", "on_a_line"])
+def test_bfloat16_cache_either_placement(isa, rng, profile):
+    """A bfloat16 cache's storage starts where the CPU reads it fastest (16 bytes past a line, or on
+    one on Zen 5): a decode step over either placement, each forced through the CPU the planner sees
+    (GQA and one row per K/V row, ragged lengths, 3 new tokens, head_dim with and without a tail),
+    matches the reference, whatever CPU runs the test."""
+    with override(**PROFILES[profile]):
+        start = pyattn._core.kv_storage_offset(2, True)
+        for kv_heads, head_dim in ((2, 128), (8, 40)):
+            cache, q, new = ragged_cache_step(rng, "bfloat16", [700, 301, 3], kv_heads, 8, head_dim, q_len=3)
+            assert cache.keys(0).ctypes.data % 64 == start
+            assert_cache_step_close(cache.attend(q, num_threads=2), cache, q, new, "bfloat16")
+    assert start == (16 if profile == "zen3" else 0)  # the two placements, both tested
 
 
 @pytest.mark.parametrize("name", CACHE_DTYPES)
@@ -1184,18 +1179,10 @@ def assert_cache_step_close(got, cache, q, new, name):
         assert_close(got[b : b + 1, :, rows], expected, compute_dtype(name).type)  # the stored values, exactly
 
 
-def prefetch(mode):
-    """The software prefetch of K/V: 1 forced on, 0 off, -1 (the default): the decode kernel prefetches
-    by vendor and sizes (AMD: K/V rows that serve 4+ query rows each with long arithmetic, 16-bit or
-    float32 in 256-bit vectors, and outgrow half the last-level cache; Intel: any K and V that outgrow
-    the threads' L2s)."""
-    return core_setting(pyattn._core._set_prefetch, mode)
-
-
-def prefetch_level(level):
-    """Where the decode kernel's prefetches put K/V rows: 1 L1 (8 KiB ahead), 2 L2 (16 KiB ahead), -1
-    (the default) by rule (L1 on Zen 5 except for 16-bit rows that 4+ query rows share, else L2)."""
-    return core_setting(pyattn._core._set_decode_prefetch_level, level)
+def decode_prefetch(level):
+    """The decode kernel's software prefetch of K/V rows: "l1" (8 KiB ahead), "l2" (16 KiB ahead),
+    "off", or None: as the planner decides."""
+    return override(decode_prefetch=level)
 
 
 @pytest.mark.parametrize(
@@ -1216,22 +1203,22 @@ def test_decode_prefetch_changes_nothing(isa, rng, name, head_dim, q_heads, kv_h
     both against the reference."""
     dtype = np_dtype(name)
     cache, q, new = ragged_cache_step(rng, name, lengths, kv_heads, q_heads, head_dim, q_len)
-    # The number of parts the range is read in changes the order of the keys, so the default rule (on
-    # AMD one part with prefetching, four without) could change bits: each count is pinned.
-    for streams, level in itertools.product((1, 4), (1, 2)):
-        with decode_streams(streams), prefetch(1), prefetch_level(level):
+    # The number of parts the range is read in changes the order of the keys, and the planner's rule
+    # ties it to prefetching on some CPUs: each count is pinned.
+    for streams, level in itertools.product((1, 4), ("l1", "l2")):
+        with decode_streams(streams), decode_prefetch(level):
             on = cache.attend(q, num_threads=2)
-        with decode_streams(streams), prefetch(0):
+        with decode_streams(streams), decode_prefetch("off"):
             off = cache.attend(q, num_threads=2)
         np.testing.assert_array_equal(f64(on), f64(off))
     assert_cache_step_close(on, cache, q, new, name)
 
     # The split path (12 key chunks per task) with NaN rows at forbidden keys.
     q2, k2, v2, mask, clean_k, clean_v = long_kv_inputs(rng, dtype, min(q_len, DECODE_MAX), head_dim=head_dim)
-    for streams, level in itertools.product((1, 4), (1, 2)):
-        with decode_streams(streams), prefetch(1), prefetch_level(level):
+    for streams, level in itertools.product((1, 4), ("l1", "l2")):
+        with decode_streams(streams), decode_prefetch(level):
             on = sdpa(q2, k2, v2, mask, is_causal="lower_right", enable_gqa=True)
-        with decode_streams(streams), prefetch(0):
+        with decode_streams(streams), decode_prefetch("off"):
             off = sdpa(q2, k2, v2, mask, is_causal="lower_right", enable_gqa=True)
         np.testing.assert_array_equal(f64(on), f64(off))
     assert np.isfinite(f64(on)).all()
@@ -1243,8 +1230,8 @@ def test_decode_prefetch_changes_nothing(isa, rng, name, head_dim, q_heads, kv_h
 def decode_fuse(mode):
     """Whether the decode kernel reads a block's K rows together with the previous block's V rows, key
     by key (one query row per K/V row, rows of 4 or 8 vectors in the compute type, read in place): 1
-    wherever it can, 0 never, -1 (the default) by rule (on Zen 5)."""
-    return core_setting(pyattn._core._set_decode_fuse, mode)
+    wherever it can, 0 never."""
+    return override(decode_fuse=bool(mode))
 
 
 @pytest.mark.parametrize("head_dim", [128, 64, 32, 96, 8])  # 8, 4 vectors (AVX-512 float32); 4 on AVX2; others: never
@@ -1323,36 +1310,11 @@ def test_decode_poisoned_forbidden_rows_change_no_bits(isa, rng, name, q_len, he
         assert_result_close(np.where(finite, clean, 0).astype(dtype), np.where(finite, expected, 0), name)
 
 
-@pytest.mark.parametrize(
-    "setter, bad, good",
-    [
-        ("_set_prefetch", [-2, 3], 2),
-        ("_set_group_tiles", [-1, 2], 0),
-        ("_set_pack_heads", [-2, 2], 1),
-        ("_set_decode_heads", [-2, 2], 0),
-        ("_set_decode_block16", [0, 16, 48, 128], 64),
-        ("_set_decode_prefetch_level", [0, 3], 2),
-        ("_set_decode_fuse", [-2, 2], 0),
-        ("_set_decode_streams", [0, 3, 8], 2),
-        ("_set_packed_mask_limit", [-1, -(2**40)], 4096),
-    ],
-)
-def test_core_switches_refuse_values_they_do_not_list(setter, bad, good):
-    """The core's test switches take the values they document only: any other raises a ValueError
-    naming the switch, and leaves the setting as it was (not a neighbouring value)."""
-    set_ = getattr(pyattn._core, setter)
-    with core_setting(set_, good):
-        for value in bad:
-            with pytest.raises(ValueError, match=setter):
-                set_(value)
-            assert set_(good) == good  # still the good value
-
-
 def decode_streams(n):
-    """How many parts of a work item's keys the decode kernel reads side by side, rows in turn: -1
-    (the default) by storage and size, or 1, 2, 4 forced (a part needs a key block of its own: 128
-    keys in the compute type, 32 or 64 in 16 bits; fewer parts where an item is shorter)."""
-    return core_setting(pyattn._core._set_decode_streams, n)
+    """How many parts of a work item's keys the decode kernel reads side by side, rows in turn: 1, 2,
+    4 forced (a part needs a key block of its own: 128 keys in the compute type, 32 or 64 in 16 bits;
+    fewer parts where an item is shorter), or None: as the planner decides."""
+    return override(decode_streams=n)
 
 
 @pytest.mark.parametrize("head_dim", [32, 24])  # 24 on AVX-512: rows through scratch, one stream
@@ -1384,9 +1346,9 @@ def test_decode_streams_same_keys_in_another_order(isa, rng, name, streams, head
 
 
 def decode_block16(keys):
-    """Keys per block of the decode kernel for 16-bit K/V read in place: -1 (the default) by CPU and
-    rows per K/V row (Zen 5 with 4+ rows: 64), or 32 / 64 forced."""
-    return core_setting(pyattn._core._set_decode_block16, keys)
+    """Keys per block of the decode kernel for 16-bit K/V read in place: 32 / 64 forced, or None: as
+    the planner decides."""
+    return override(decode_block16=keys)
 
 
 @pytest.mark.parametrize("q_heads, q_len", [(8, 1), (16, 3), (32, 1)])  # 1, 6 and 4 rows per K/V row
@@ -1419,51 +1381,6 @@ def test_decode_16_bit_blocks_of_32_or_64_keys(isa, rng, name, keys, streams, he
     expected = reference.scaled_dot_product_attention(f64(q2), clean_k, clean_v, mask, is_causal="lower_right",
                                                       enable_gqa=True)
     assert_result_close(got, expected, name)
-
-
-@pytest.mark.parametrize("kv_heads, q_len, keys", [(8, 1, 64), (32, 1, 32), (32, 4, 64), (16, 1, 32)])
-def test_decode_16_bit_block_by_default(isa, rng, kv_heads, q_len, keys):
-    """The default block of 16-bit K/V read in place: 64 keys where 4+ query rows share each K/V row
-    (32 query heads over 8 K/V heads, or 4 new tokens over 32) on Zen 5 (CPUID family 1Ah, AMD), and
-    on Intel where K and V take less than half the last-level cache; 32 with fewer rows and on every
-    other CPU. The block sets where the softmax's running maximum moves, so the default call's bits
-    show which one it took."""
-    lengths = [3000]
-    info = pyattn.runtime_info()
-    llc = max(info["l3_cache_bytes"], info["l2_cache_bytes"])
-    kv_bytes = kv_heads * lengths[0] * 2 * 128 * 2  # K and V, float16
-    intel_long = info["cpu_vendor"] == "GenuineIntel" and llc > 0 and 2 * kv_bytes < llc
-    if not (is_zen5() or intel_long):
-        keys = 32
-    cache, q, new = ragged_cache_step(rng, "float16", lengths, kv_heads, 32, 128, q_len)
-    assert_default_takes(lambda: cache.attend(q, num_threads=2), decode_block16, (32, 64), keys)
-
-@pytest.mark.parametrize("kv_heads, parts", [(8, 1), (32, 4)])
-def test_decode_parts_by_default_on_amd(isa, rng, kv_heads, parts):
-    """On AMD the decode kernel either prefetches in software or reads its key ranges as four parts,
-    never both (attend_decode): before Zen 5, a float16 cache that outgrows half the last-level
-    cache is read as one part (prefetched) when four query rows share each K/V row (32 query heads
-    over 8), and as four (not prefetched) with one query row per K/V row; from Zen 5 on (CPUID
-    family 1Ah) always as one. The part count sets the order the keys are summed in, so the default
-    call's bits show which one it took."""
-    info = pyattn.runtime_info()
-    if info["cpu_vendor"] != "AuthenticAMD":
-        pytest.skip("the rule under test is AMD's")
-    if is_zen5():
-        parts = 1
-    llc = max(info["l3_cache_bytes"], info["l2_cache_bytes"])
-    head_dim, q_heads = 128, 32
-    row_bytes = kv_heads * 2 * head_dim * 2  # K and V of one token, all heads, float16
-    kv_len = -(-llc // (2 * row_bytes)) // 128 * 128 + 128  # K and V at least half the last-level cache
-    if kv_len * row_bytes > 256 << 20:
-        pytest.skip("last-level cache too large for a quick test")
-    cache = pyattn.KVCache(1, kv_heads, head_dim, kv_len, dtype=np.float16)
-    k = random_array(rng, (1, kv_heads, kv_len, head_dim), np.float32, guard=False)
-    v = random_array(rng, (1, kv_heads, kv_len, head_dim), np.float32, guard=False)
-    cache.append(k[:, :, :-1], v[:, :, :-1])
-    cache.append(k[:, :, -1:], v[:, :, -1:])
-    q = random_array(rng, (1, q_heads, 1, head_dim), np.float32)
-    assert_default_takes(lambda: cache.attend(q, num_threads=2), decode_streams, (1, 4), parts)
 
 
 # The child process of test_mask_padding_k_v_rows_are_never_read (argv[1]: the ISA). K and V of each
@@ -1541,12 +1458,12 @@ for name in names:
                 assert close(kb, kspans) >= PAGE and close(vb, vspans) >= PAGE, "no page inside the padding to close"
                 # Decode: the key range as 1, 2 and 4 parts; query tiles: GQA group tiles (16-bit K/V
                 # converted a block at a time for the group's heads) and head by head.
-                settings = [(pyattn._core._set_decode_streams, n) for n in (1, 2, 4)] if q_len <= DECODE_MAX else [
-                    (pyattn._core._set_group_tiles, n) for n in (1, 0)]
-                for setter, n in settings:
-                    previous = setter(n)
+                settings = [{"decode_streams": n} for n in (1, 2, 4)] if q_len <= DECODE_MAX else [
+                    {"group_heads": n} for n in (None, 1)]
+                for setting in settings:
+                    previous = pyattn._core._set_tuning(setting)
                     got = pyattn.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, num_threads=2)
-                    setter(previous)
+                    pyattn._core._set_tuning(previous)
                     np.testing.assert_allclose(got.astype(np.float64), expected, *tol[name],
                                                err_msg=f"{name} dim {dim} pads {left}/{right} q_len {q_len}")
                 for lo, n in closed:

@@ -18,6 +18,7 @@ import pytest
 from conftest import TOL, assert_close, nan_guarded, random_array, random_mask
 
 import pyattn
+import pyattn._tuning
 from pyattn import reference
 
 WEIGHT_NAMES = (
@@ -961,11 +962,18 @@ GEMM_SIZES = (1, 7, 17, 33, 65, 129)
 GEMM_ROWS = (1, 2, 3, 4, 5, 7, 10, 17, 33, 65, 129)
 
 
-def test_linear_with_a_weight_larger_than_twice_l2(isa, rng):
-    """A packed weight over twice the L2 size gets tasks of more rows (gemm.cpp, rows_per_task: as
+@pytest.mark.parametrize("l2", [1 << 20, 256 << 10, 0], ids=["l2_1MiB", "l2_256KiB", "l2_unknown"])
+def test_linear_with_a_weight_larger_than_twice_l2(isa, rng, l2):
+    """A packed weight over twice the L2 size gets tasks of more rows (tuning.cpp, gemm_task_tiles: as
     many as half of L2 holds, here 32 register tiles): row blocks of that height plus a ragged one,
-    threaded, packed and unpacked, against the float64 product."""
-    l2 = pyattn.runtime_info()["l2_cache_bytes"] or 1 << 20  # 0 where CPUID does not say: no branch to test
+    threaded, packed and unpacked, against the float64 product; the L2 the planner sees is forced, so
+    the rule runs on any host (and with an unknown L2, none does)."""
+    with pyattn._tuning.override(l2_bytes=l2):
+        linear_with_a_large_weight(isa, rng, l2 or 1 << 20)
+
+
+def linear_with_a_large_weight(isa, rng, l2):
+    """test_linear_with_a_weight_larger_than_twice_l2's call, sized for an L2 of l2 bytes."""
     tile_rows = 6 if isa != "generic" else 4  # simd.h gemm_rows (float32)
     k = max(64, l2 // (2 * 4 * tile_rows * 32))  # half of L2 holds 32 tiles' rows of A
     n = 2 * l2 // (4 * k) + 70  # over twice L2 packed, and a partial last panel

@@ -11,9 +11,7 @@ import pytest
 from conftest import (
     TOL,
     assert_close,
-    assert_default_takes,
     check_against_reference,
-    core_setting,
     make_qkv,
     nan_guarded,
     random_array,
@@ -22,6 +20,7 @@ from conftest import (
 
 import pyattn
 from pyattn import reference
+from pyattn._tuning import override
 
 try:
     import ml_dtypes
@@ -202,13 +201,13 @@ def test_masked_block_edges(isa, dtype, rng, q_len, kv_len, pattern):
 
 def masks_read_as_bytes():
     """Makes the kernels read masks as they are (boolean bytes, floats): no call packs a bit copy (see
-    attention.cpp)."""
-    return core_setting(pyattn._core._set_packed_mask_limit, 0)
+    mask_pack.cpp)."""
+    return override(packed_mask_limit=0)
 
 
 def masks_packed_without_lane_words(mask, batch_heads, q_len, kv_len):
     """Lets the driver pack `mask` (broadcast to batch_heads + (q_len, kv_len)) to bits but leaves no
-    room for its lane words (attention.cpp, pack_mask_bits): the tiles then build every partly masked
+    room for its lane words (mask_pack.cpp, pack_mask_bits): the tiles then build every partly masked
     block's verdict words from the bits."""
     mask = np.asarray(mask)
     shape = (1,) * (2 + len(batch_heads) - mask.ndim) + mask.shape
@@ -216,7 +215,7 @@ def masks_packed_without_lane_words(mask, batch_heads, q_len, kv_len):
     rows = shape[-2]
     words = -(-kv_len // 64)
     nbytes = distinct * rows * words * 8 * (1 if mask.dtype == bool else 2)
-    return core_setting(pyattn._core._set_packed_mask_limit, nbytes)
+    return override(packed_mask_limit=nbytes)
 
 
 @pytest.fixture
@@ -816,8 +815,8 @@ def bshd_with_nan_neighbours(rng, batch, kv_len, kv_heads, dim, dtype):
 
 def across_heads():
     """Decode over interleaved K/V heads read across the heads (attend_decode_heads) wherever it can be,
-    whatever the driver's rule would pick on this CPU (on Zen 5 the chunks for float32)."""
-    return core_setting(pyattn._core._set_decode_heads, 1)
+    whatever the planner would pick for this CPU."""
+    return override(decode_across_heads=True)
 
 
 @pytest.mark.parametrize(
@@ -897,21 +896,6 @@ def test_decode_across_heads_16_bit(isa, rng, storage):
             assert_close_to_reference(got, expected, dtype)
 
 
-@pytest.mark.parametrize("storage, kv_heads", [("float32", 32), ("float16", 32), ("float16", 8)])
-def test_decode_across_heads_by_default(isa, rng, storage, kv_heads):
-    """Which reading a decode call over interleaved K/V heads takes by default: across the heads
-    everywhere but on Zen 5 (CPUID family 1Ah, AMD), where only 16-bit K/V with fewer than 4 query rows
-    per K/V row do (32 query heads over 32 K/V heads) and the rest take the chunks. The two readings
-    sum the keys in another order, so the default call's bits show which one it took."""
-    zen5 = pyattn._core.cpu_is_amd_zen5_on()
-    expected = 0 if zen5 and (storage == "float32" or kv_heads == 8) else 1
-    dtype = np.dtype(storage)
-    q = random_array(rng, (1, 32, 1, 64), dtype)
-    k = bshd_with_nan_neighbours(rng, 1, 1500, kv_heads, 64, dtype)
-    v = bshd_with_nan_neighbours(rng, 1, 1500, kv_heads, 64, dtype)
-    assert_default_takes(lambda: sdpa(q, k, v, enable_gqa=True),
-                         lambda mode: core_setting(pyattn._core._set_decode_heads, mode), (0, 1), expected)
-
 def test_decode_across_heads_head_dims(isa, dtype, rng):
     """Every head_dim from 1 to 2 * lanes + 1 (AVX-512 float32: 33): rows of whole vectors take
     attend_decode_heads, the others the chunks; both the reference's values."""
@@ -927,8 +911,8 @@ def test_decode_across_heads_head_dims(isa, dtype, rng):
 
 def prefetch(mode):
     """Forces the tiles' prefetching: 0 none, 1 the next key block's K/V rows, 2 the next work item's
-    rows; by default it depends on the cache sizes."""
-    return core_setting(pyattn._core._set_prefetch, mode)
+    rows; -1 as the planner decides (from the cache sizes)."""
+    return override(tile_prefetch={-1: None, 0: "off", 1: "kv_rows", 2: "next_items"}[mode])
 
 
 @pytest.mark.parametrize(
@@ -1024,11 +1008,11 @@ def test_interleaved_heads_change_nothing(isa, dtype, rng, heads, kv_heads, q_le
     kwargs = dict(is_causal=options.get("is_causal", False), enable_gqa=heads != kv_heads,
                   num_threads=options.get("threads", 2))
     with prefetch(options.get("prefetch", -1)):
-        with core_setting(pyattn._core._set_pack_heads, 0):
+        with override(pack_heads=False):
             paired = sdpa(q, k, v, mask, **kwargs)
-            with core_setting(pyattn._core._set_group_tiles, 0):
+            with override(group_heads=1):
                 alone = sdpa(q, k, v, mask, **kwargs)
-        with core_setting(pyattn._core._set_pack_heads, 1):
+        with override(pack_heads=True):
             copied = sdpa(q, k, v, mask, **kwargs)
         by_rule = sdpa(q, k, v, mask, **kwargs)
     for out in (paired, copied, by_rule):
@@ -1056,9 +1040,9 @@ def test_interleaved_heads_decode(isa, dtype, rng, q_heads, kv_heads, q_len, kv_
     """Decoding (q_len <= 8) against K/V whose heads interleave in memory reads the keys key by key
     across all heads where a head's query rows fit one tile and the rows are whole vectors
     (attend_decode_heads), else in short chunks, chunk by chunk across the heads (kInterleavedChunk;
-    _set_decode_heads(1) and (0) force each): the reference's values, and those of the same values stored
+    decode_across_heads forces each): the reference's values, and those of the same values stored
     heads first, for every chunk count and remainder."""
-    with core_setting(pyattn._core._set_decode_heads, 1 if route == "across heads" else 0):
+    with override(decode_across_heads=route == "across heads"):
         interleaved_heads_decode(dtype, rng, q_heads, kv_heads, q_len, kv_len, options)
 
 

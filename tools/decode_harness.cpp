@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: MIT
-// A developer's harness for the decode kernel (src/cpp/decode.inc): one thread calls the kernel of
+// A developer's harness for the decode kernel (src/cpp/decode_*.inc): one thread calls the kernel of
 // one ISA directly, without the driver, the binding or Python, over one key/value head, and prints
 // the CPU time per key row (K + V row) as min / 25th percentile / median over samples of ~100 us
 // of consecutive calls (CALLS calls in all).
@@ -9,7 +9,7 @@
 // of a few per cent. With the K/V rows in L1/L2 (a few hundred keys) the minimum CPU time of a call
 // repeats to ~1% between runs a minute apart, though the whole machine still drifts over longer
 // spells (the same binary's minimum moved by 25% within an hour on Zen 4): build this file once
-// against each tree of decode.inc and alternate the two binaries, several rounds.
+// against each tree of the decode kernel and alternate the two binaries, several rounds.
 // pip does not build it; it includes kernels.inc like kernels_<isa>.cpp does. It checks the kernel's
 // result against float64 before timing (exit 1 if wrong), and CI builds and runs it briefly
 // (tools/check_harnesses.sh).
@@ -21,11 +21,11 @@
 //   t=$(($(date +%s) + 3)); for i in 1 2; do HARNESS_START=$t /tmp/dh f16 4 262144 200 & done; wait
 // STORAGE: f32, f16 or bf16 (K/V storage; compute is float32); ROWS: query rows per key/value
 // head (the GQA group times the new tokens); PREFETCH 1: the kernel's software prefetch on, into L2
-// (AttnArgs::prefetch_kv, which the driver sets when K/V come from memory), 2: on, into L1
-// (AttnArgs::prefetch_to_l1, the driver's choice on Zen 5); STREAMS 1, 2 or 4: parts
-// of the key range read side by side (AttnArgs::decode_streams, default 1; the driver's rule in
-// attend_decode); FUSE 1: a block's K rows read with the previous block's V rows where the kernel
-// can (AttnArgs::decode_fuse: one float32 row; AVX-512 only at this head_dim); head_dim = value_dim
+// (DecodePlan::prefetch_kv, which the planner sets when K/V come from memory), 2: on, into L1
+// (DecodePlan::prefetch_to_l1, the planner's choice on Zen 5); STREAMS 1, 2 or 4: parts
+// of the key range read side by side (DecodePlan::streams, default 1; the rule in tuning.cpp,
+// plan_decode); FUSE 1: a block's K rows read with the previous block's V rows where the kernel
+// can (DecodePlan::fuse: one float32 row; AVX-512 only at this head_dim); head_dim = value_dim
 // = 128, q_len 1, no mask.
 //
 // Zen 4 (2026-12-01, a fast spell, AVX-512, one thread, 512 keys), ns per key row, min of 20000
@@ -131,10 +131,11 @@ int main(int argc, char** argv) {
   a.value_dim = value_dim;
   a.scale = 1.0 / std::sqrt(double(head_dim));
   a.kv_storage = storage;
-  a.prefetch_kv = argc >= 6 && std::atoi(argv[5]) != 0;  // what the driver sets for K/V from memory
-  a.prefetch_to_l1 = argc >= 6 && std::atoi(argv[5]) == 2;
-  a.decode_streams = argc >= 7 ? std::atoi(argv[6]) : 1;
-  a.decode_fuse = argc >= 8 && std::atoi(argv[7]) != 0;
+  DecodePlan plan;
+  plan.prefetch_kv = argc >= 6 && std::atoi(argv[5]) != 0;  // what the planner sets for K/V from memory
+  plan.prefetch_to_l1 = argc >= 6 && std::atoi(argv[5]) == 2;
+  plan.streams = argc >= 7 ? std::atoi(argv[6]) : 1;
+  plan.fuse = argc >= 8 && std::atoi(argv[7]) != 0;
 
   const DecodeTile tile{0, 0, 0, rows, 0, kv_len};
   const int64_t value_padded = kernels.decode_padded(value_dim);
@@ -155,7 +156,7 @@ int main(int argc, char** argv) {
     }
   }
   // The result checked against float64 on the K/V values as stored (16-bit ones widened back).
-  kernels.decode(a, tile, rows, scratch.data, state);
+  kernels.decode(a, plan, tile, rows, scratch.data, state);
   {
     auto as_stored = [&](const std::vector<float>& x, const uint16_t* bits) {  // 16-bit values widened back
       std::vector<float> seen(x);
@@ -177,7 +178,7 @@ int main(int argc, char** argv) {
   // from the thread CPU clock on some VMs.
   const double first = [&] {
     const double t0 = harness::thread_seconds();
-    kernels.decode(a, tile, rows, scratch.data, state);
+    kernels.decode(a, plan, tile, rows, scratch.data, state);
     return harness::thread_seconds() - t0;
   }();
   const int64_t batch = first > 0 ? std::max<int64_t>(1, int64_t(100e-6 / first)) : 16;
@@ -185,13 +186,13 @@ int main(int argc, char** argv) {
   std::vector<double> seconds(static_cast<size_t>(samples));
   for (int64_t n = 0; n < samples; ++n) {
     const double t0 = harness::thread_seconds();
-    for (int64_t c = 0; c < batch; ++c) kernels.decode(a, tile, rows, scratch.data, state);
+    for (int64_t c = 0; c < batch; ++c) kernels.decode(a, plan, tile, rows, scratch.data, state);
     seconds[static_cast<size_t>(n)] = (harness::thread_seconds() - t0) / double(batch);
   }
   auto per_row = [&](double q) { return harness::quantile(seconds, q) / double(kv_len) * 1e9; };
   std::printf("%s %s rows %lld kv_len %lld prefetch %d streams %d fuse %d: ns per key row min %.2f p25 %.2f median %.2f (out[0][0] = %.6g)\n",
               PYATTN_ISA_NAME, storage_name.c_str(), static_cast<long long>(rows), static_cast<long long>(kv_len),
-              int(a.prefetch_kv) + int(a.prefetch_kv && a.prefetch_to_l1), a.decode_streams, int(a.decode_fuse),
+              int(plan.prefetch_kv) + int(plan.prefetch_kv && plan.prefetch_to_l1), plan.streams, int(plan.fuse),
               per_row(0), per_row(0.25), per_row(0.5),
               double(acc.data[0] / l.data[0]));
   return 0;

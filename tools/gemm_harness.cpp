@@ -138,7 +138,7 @@ int main(int argc, char** argv) {
     } while (harness::thread_seconds() - t0 < 0.05);
     const double rate = flops * calls / (harness::thread_seconds() - t0);
     const double p0 = harness::thread_seconds();
-    const double done = table.fma_loop(100000);
+    const double done = PYATTN_ISA_NS::fma_loop(100000);
     return rate / (done / (harness::thread_seconds() - p0));
   };
   std::vector<double> kernel, plain, ratio;

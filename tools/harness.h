@@ -14,6 +14,7 @@
 #define PYATTN_SIMD_AVX512 1
 #endif
 #include "kernels.inc"
+#include "machine_kernels.inc"  // fma_loop: the FMA peak the harnesses quote rates against
 #include "parallel.h"
 
 #include <algorithm>

@@ -17,7 +17,7 @@
 //   /tmp/th Q_LEN KV_LEN HEAD_DIM SECONDS [CAUSAL]      e.g.  /tmp/th 1024 1024 64 2
 // One head, value_dim = head_dim, float32, no mask (CAUSAL 1: upper-left causal); the query blocks
 // are the driver's (row_vecs x lanes rows, the last one narrower). GFLOP/s = 4 * q_len * kv_len *
-// head_dim (causal: allowed pairs only) / time. Environment: PREFETCH=1 sets AttnArgs::prefetch_kv.
+// head_dim (causal: allowed pairs only) / time. Environment: PREFETCH=1 sets TilePlan::prefetch_kv.
 
 #include "harness.h"
 
@@ -64,8 +64,9 @@ int main(int argc, char** argv) {
   a.head_dim = a.value_dim = dim;
   a.causal = causal;
   a.scale = 1.0 / std::sqrt(double(dim));
-  // PREFETCH=1: the tiles' K/V row prefetch on (AttnArgs::prefetch_kv; the driver's choice by sizes).
-  a.prefetch_kv = std::getenv("PREFETCH") && std::atoi(std::getenv("PREFETCH")) != 0;
+  // PREFETCH=1: the tiles' K/V row prefetch on (TilePlan::prefetch_kv; the planner's choice by sizes).
+  TilePlan plan;
+  plan.prefetch_kv = std::getenv("PREFETCH") && std::atoi(std::getenv("PREFETCH")) != 0;
 
   const int64_t block_rows = q_len <= ks.lanes ? ks.lanes : int64_t(ks.lanes) * ks.row_vecs;
   const int64_t key_block = ks.key_block(block_rows);
@@ -79,7 +80,7 @@ int main(int argc, char** argv) {
     for (int64_t i0 = 0; i0 < q_len; i0 += block_rows) {
       const Tile t{0, i0, std::min(block_rows, q_len - i0), 0, kv_len};
       const int64_t bm = std::min(block_rows, (t.rows + ks.lanes - 1) / ks.lanes * ks.lanes);
-      ks.attend(a, t, bm, s);
+      ks.attend(a, plan, t, bm, s);
       ks.finalize(s.state, bm, t.rows, dim, out.data() + i0 * dim, dim);
     }
   };
@@ -111,7 +112,7 @@ int main(int argc, char** argv) {
     for (int64_t c = 0; c < batch; ++c) one_call();
     const double rate = flops * double(batch) / (harness::thread_seconds() - t0) * 1e-9;
     const double p0 = harness::thread_seconds();
-    const double done = table.fma_loop(100000);
+    const double done = PYATTN_ISA_NS::fma_loop(100000);
     const double peak = done / (harness::thread_seconds() - p0) * 1e-9;
     rates.push_back(rate);
     peaks.push_back(peak);

@@ -26,9 +26,7 @@ int64_t packed_elems(int64_t n, int64_t k, int64_t panel) {
 
 // The packed weight starts on a cache line (array_on_line, binding_checks.h): the GEMM
 // micro-kernel loads whole 64-byte vectors of it, and NumPy's allocations are only 16-byte aligned,
-// so 3 packings in 4 had every such load straddle two lines. Aligned, the GEMM ran 1.04-1.15x
-// faster on a Sapphire Rapids-class Xeon (2026-12-03, 1 and 2 threads, M x N x K of 128-4096 x
-// 768-4096 x 384-1024, the same packing copied to 0 / 16 / 32 / 48 bytes past a line, alternating).
+// so most packings would have every such load straddle two lines.
 template <class T>
 py::array_t<T> pack_weights_t(const py::array& w) {
   const KernelSet<T>& ks = active_set<T>();

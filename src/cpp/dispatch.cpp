@@ -1,14 +1,17 @@
 // SPDX-License-Identifier: MIT
 // Runtime ISA dispatch: probe the CPU once, pick the best compiled kernel table, let PYATTN_ISA or
 // the tests force another. The probe checks both the CPUID feature bits and that the OS saves the
-// wider register state (XGETBV), since a CPU flag alone does not make AVX usable.
+// wider register state (XGETBV), since a CPU flag alone does not make AVX usable. The same probe
+// gives the tuning module its CpuInfo (vendor, family and model, cache sizes).
 
+#include "dispatch.h"
+
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
-#include <string>
 
-#include "attention.h"
+#include "tuning.h"
 
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__) || defined(_M_IX86)
 #define PYATTN_X86 1
@@ -165,42 +168,38 @@ CacheSizes probe_caches() {
 #endif
   return c;
 }
+
+CpuInfo probe_cpu() {
+  CpuInfo c;
+  const CacheSizes caches = probe_caches();
+  c.l1d_bytes = caches.level[1];
+  c.l2_bytes = caches.level[2];
+  c.llc_bytes = std::max(caches.level[3], caches.level[2]);
+  c.avx2 = features().avx2;
+  c.avx512 = features().avx512;
+#if defined(PYATTN_X86)
+  unsigned r[4];
+  cpuid(0, 0, r);
+  char vendor[13] = {};
+  std::memcpy(vendor, &r[1], 4);  // EBX, EDX, ECX spell the vendor string
+  std::memcpy(vendor + 4, &r[3], 4);
+  std::memcpy(vendor + 8, &r[2], 4);
+  if (std::strcmp(vendor, "GenuineIntel") == 0) c.vendor = CpuVendor::intel;
+  if (std::strcmp(vendor, "AuthenticAMD") == 0) c.vendor = CpuVendor::amd;
+  cpuid(1, 0, r);
+  // Display family and model: the extended fields count where the base family says so (0xf, and
+  // for the model also 6).
+  const int base_family = int((r[0] >> 8) & 0xf), base_model = int((r[0] >> 4) & 0xf);
+  c.family = base_family == 0xf ? base_family + int((r[0] >> 20) & 0xff) : base_family;
+  c.model = base_family == 0xf || base_family == 6 ? base_model + (int((r[0] >> 16) & 0xf) << 4) : base_model;
+#endif
+  return c;
+}
 }  // namespace
 
-int64_t cache_bytes(int level) {
-  static const CacheSizes sizes = probe_caches();
-  return level >= 1 && level <= 3 ? sizes.level[level] : 0;
-}
-
-const char* cpu_vendor() {
-#if defined(PYATTN_X86)
-  static const std::string vendor = [] {
-    unsigned r[4];
-    cpuid(0, 0, r);
-    char name[13] = {};
-    std::memcpy(name, &r[1], 4);  // EBX, EDX, ECX spell the vendor string
-    std::memcpy(name + 4, &r[3], 4);
-    std::memcpy(name + 8, &r[2], 4);
-    return std::string(name);
-  }();
-  return vendor.c_str();
-#else
-  return "";
-#endif
-}
-
-int cpu_family() {
-#if defined(PYATTN_X86)
-  static const int family = [] {
-    unsigned r[4];
-    cpuid(1, 0, r);
-    const int base = int((r[0] >> 8) & 0xf);  // EAX bits 8-11; 0xf means "see the extended family"
-    return base == 0xf ? base + int((r[0] >> 20) & 0xff) : base;
-  }();
-  return family;
-#else
-  return 0;
-#endif
+const CpuInfo& probed_cpu() {
+  static const CpuInfo cpu = probe_cpu();
+  return cpu;
 }
 
 const KernelTable& active_kernels() {

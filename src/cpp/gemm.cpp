@@ -16,31 +16,18 @@
 namespace pyattn {
 namespace {
 
-// Rows per task: at least 16 register tiles (96 rows on AVX2/AVX-512) amortise the panel's trip
-// through L2.
-constexpr int64_t kTilesPerTask = 16;
-
-// A task streams its weight panel (k x panel) from L2 once per register tile, after the first tile
-// brought it there: from L3 when the packed weight is too large to stay in L2 between tasks. On a
-// Sapphire Rapids-class Xeon (2 MiB L2) that first pass took about five tiles' time (96 x 2304 x 768
-// ran at 73% of the FMA peak, 96 x 64 x 768 at 92%), and tasks of 48-56 tiles instead of 16 ran
-// 1.02-1.32x faster (tools/gemm_harness.cpp, one thread, 128-4096 x 2304-3072 x 768-1024, 12 of 12
-// alternating pairs; 63-77% of the peak -> 67-87%). Such a weight gets tasks of as many rows as
-// half of L2 holds (their A rows stay in L2 across the panels of the row block). A weight under
-// twice L2 keeps 16 tiles: 1344 x 768 x 768 (2.3 MiB packed) ran 0.87-0.96x with 48, its panels
-// partly L2-resident between row blocks. Prefetching the next panel into L2 during a task's tiles
-// instead measured 0.81-0.92x.
+// Rows per task: as many register tiles as the tuning module's rule gives for the weight's size
+// (gemm_task_tiles: enough to amortise the panel's trip through L2, more for a weight that does not
+// stay in L2 between tasks).
 template <class T>
 int64_t rows_per_task(const KernelSet<T>& ks, int64_t n, int64_t k) {
-  const int64_t l2 = cache_bytes(2), row_bytes = k * int64_t(sizeof(T));
+  const int64_t row_bytes = k * int64_t(sizeof(T));
   const int64_t packed_bytes = ceil_div(n, ks.gemm_panel) * ks.gemm_panel * row_bytes;
-  int64_t tiles = kTilesPerTask;
-  if (l2 > 0 && packed_bytes > 2 * l2) tiles = std::max(tiles, l2 / 2 / (row_bytes * ks.gemm_rows));
-  return tiles * ks.gemm_rows;
+  return gemm_task_tiles(current_tuning().cpu, packed_bytes, row_bytes * ks.gemm_rows) * ks.gemm_rows;
 }
 // Panels per task for one or two rows (a decode step's projections): the kernel runs up to 4 panels
-// in one pass there (AVX2, one row), and 8 panels of 16 floats are 512 output columns, so an
-// E = 768 projection still makes 6 tasks.
+// in one pass there, and 8 panels of 16 floats are 512 output columns, so a layer of a few hundred
+// features still makes several tasks.
 constexpr int64_t kShortPanelsPerTask = 8;
 
 // Tag of the calling thread's scratch for the panels linear()'s tasks pack (GemmArgs::w).
@@ -71,8 +58,8 @@ void linear(const GemmArgs<T>& g, int num_threads) {
   // may leave), at most `group` panels of k x panel: L2-sized for the k of a layer.
   // One or two rows read W as it is (gemm.inc, gemm_short_unpacked): packing would double their work.
   const bool as_is = g.packed || g.m <= 2;
-  // The threads' slices slice_stride apart, as ThreadSlices lays them out (parallel.h): end to end
-  // they cost pyattn.mha with E = 768 1.7-2.3% at L = 128 (B = 1 and 8; 1.00x at L = 512).
+  // The threads' slices slice_stride apart, as ThreadSlices lays them out (parallel.h), never end to
+  // end.
   const size_t per_thread = as_is ? 0 : size_t(group * g.k * ks.gemm_panel);
   const size_t stride = slice_stride<T>(per_thread);
   T* const scratch = as_is ? nullptr : grow_only_scratch<PackScratch, T>(std::max<size_t>(1, slices_span<T>(per_thread, threads)));

@@ -11,8 +11,8 @@
 // A step over a KV cache (multi_head_attention_cached) is the same chain with the cache in the
 // middle: the new K/V rows go from the projection's matrix into the cache (converted to its storage
 // there), and the attention reads the cache in place. Doing the whole step in one call matters for
-// decoding: in Python the step was a dozen NumPy operations and five calls into the core, ~80 us of
-// fixed cost per step and layer (2-core Zen 3), as much as the arithmetic of a small layer.
+// decoding: as a dozen NumPy operations and several calls into the core, the step's fixed cost per
+// layer would be as much as the arithmetic of a small layer.
 
 #include <algorithm>
 #include <cmath>

@@ -21,9 +21,8 @@
 namespace pyattn {
 
 // Multiply-adds that make one more thread worth its cost: waking a team and joining it takes a few
-// microseconds, in which one core does ~10^5 multiply-adds. A decode step of a small layer (E = 64,
-// 2 heads, a few cached tokens) ran five two-thread regions of a few thousand multiply-adds each:
-// 25-33 us per step against 18-19 on one thread (Zen 3).
+// microseconds, in which one core does ~10^5 multiply-adds, so a small call (a decode step of a small
+// layer) runs faster on its calling thread alone.
 constexpr double kFmasPerThread = 65536;
 
 // Threads worth starting for `fmas` multiply-adds of work split into `items` work items: at most
@@ -60,8 +59,8 @@ T* grow_only_scratch(size_t elems) {
 }
 
 // A buffer of n elements of T starting on an Align-byte boundary (a cache line by default), left
-// uninitialised: every kernel writes its scratch before reading it (zero-filling the ~100 KB of a
-// 2-thread call's scratch cost ~1 us). No memory for n = 0 (data() is null then).
+// uninitialised: every kernel writes its scratch before reading it (zero-filling it would cost a
+// small call a noticeable share of its time). No memory for n = 0 (data() is null then).
 template <class T, size_t Align = kCacheLine>
 class AlignedBuffer {
  public:
@@ -79,24 +78,14 @@ class AlignedBuffer {
 };
 
 // Per-thread scratch of one parallel region: one slice per thread, each starting on its own page,
-// with kSliceGap untouched bytes between one slice's end and the next one's start. With the slices
-// laid end to end in one allocation (as until 2026-12-05), the thread whose slice came second ran
-// its items 25-30% slower whenever both threads worked, whichever thread it was, while the one whose
-// slice came first ran at its one-thread speed (Zen 5 VM, 1x12x128x64 float32, two threads, the
-// same half of the heads per thread every call: 11.4-12.3 against 8.8-9.1 us per item; the second
-// thread's items went back to 8.8 as soon as the first thread was done). No access crosses a slice
-// (with a guard page right after each slice, nothing faulted), so the likely cause is hardware
-// prefetching past the first slice's end into the second's start (its hottest lines, the score
-// block): lines that then move between the cores on every key block. Gap sizes, alternating in one
-// process (medians of 4 rounds, 1x12x128x64 / 8x12x128x64 / 32x12x128x64 ms): end to end 0.14 /
-// 1.13 / 5.5, pages of their own without a gap 0.14 / 1.09 / 5.2, 16 KiB 0.12 / 0.97 / 4.9, 64 KiB
-// 0.12 / 0.94 / 4.4, 256 KiB as 64. The gap is address space only: nothing touches it, so it never
-// gets memory behind it. A work item's running state that outlives the item (a split key range's
-// partial state) is kept in the thread's slice while the item runs and copied out once at its end
-// (such states side by side, written in place, made 1x2x1024x64 and 1x1x2048x64 8-10% slower than
-// with a 16 KiB gap between them). The attention driver against the slices end to end (same
-// process, alternating, 5 rounds): 1.05-1.26x faster on B x H x L x 64 calls from 1x12x128 to
-// 1x16x1024 (no mask, causal, mask), the decode kernel unchanged (0.995-1.03x).
+// with kSliceGap untouched bytes between one slice's end and the next one's start. With the slices end
+// to end, the thread whose slice comes second runs its items markedly slower whenever both threads
+// work: no access crosses a slice, so the likely cause is hardware prefetching past the first slice's
+// end into the second's start (its hottest lines, the score block), lines that then move between the
+// cores on every key block. The gap is address space only: nothing touches it, so it never gets
+// memory behind it. A work item's running state that outlives the item (a split key range's partial
+// state) is kept in the thread's slice while the item runs and copied out once at its end, for the
+// same reason.
 constexpr size_t kPageBytes = 4096;
 constexpr size_t kSliceGap = 64 * 1024;
 
@@ -127,10 +116,10 @@ class ThreadSlices {
 // Forked children. GNU libgomp keeps its pool of worker threads for the next team, and a process
 // forked after a team ran (os.fork, multiprocessing's "fork" start method, pre-forking servers)
 // inherits that pool without its threads: the child's first parallel region waits for them forever
-// (seen: a 1x4x256x64 call on two threads after the parent's hung the child). pyattn therefore notes
+// (a two-thread call in the child after one in the parent hangs). pyattn therefore notes
 // when it starts a team, and a child forked after that runs every loop below on its calling thread;
 // results are the same bits (they never depend on the thread count). LLVM's libomp starts a new pool
-// in a child, so the rule is libgomp's only. install_fork_guard (attention.h) registers the child's
+// in a child, so the rule is libgomp's only. install_fork_guard (runtime.h) registers the child's
 // handler when the module loads.
 #if defined(PYATTN_OPENMP) && defined(__GNUC__) && !defined(__clang__)
 #define PYATTN_FORK_GUARD 1
@@ -166,18 +155,11 @@ inline int thread_id() {
 // How the item loops below hand out work: thread t owns the items [t * count / parts, (t + 1) *
 // count / parts) and runs them in order; once its own are claimed it takes the next unclaimed item
 // of the following threads' ranges in turn, so no thread idles while items are left (a causal
-// call's items differ in cost; a thread whose core another process takes falls behind). Until
-// 2026-12-05 every thread took the next item from one shared counter (OpenMP's schedule(dynamic,
-// 1)): the two threads then took turns on each head's query blocks (the item order is head by
-// head), so both read every head's K and V, and each thread's part of a decode step's keys was
-// scattered over the whole cache. With ranges a thread works on neighbouring heads and reads one
-// stretch of the keys, and a call repeated on the same arrays finds its rows in the same core's
-// caches. Measured alternating in one process (Zen 5 VM, two threads, medians of 4 rounds, shared
-// counter over ranges): attention B x H x L x 64 float32 1.05-1.07x at L = 128 for B = 1 and 8,
-// 1.08-1.19x at B = 32 (arrays from memory), 0.99-1.05x at L = 512-2048; one decode step
-// (KVCache.attend, 32 query heads of 128) 1.04-1.45x at 1k-4k keys, 1.05x (0.87-1.23) float32 and
-// 1.21x float16 with 8 K/V heads at 16k; a MultiHeadAttention layer (E = 768, 12 heads) 1.01-1.05x.
-// The items' results never depend on which thread runs them.
+// call's items differ in cost; a thread whose core another process takes falls behind). With ranges,
+// a thread works on neighbouring heads and reads one stretch of the keys, and a call repeated on the
+// same arrays finds its rows in the same core's caches; one shared counter would have the threads
+// take turns on each head's query blocks, so that both read every head's K and V. The items' results
+// never depend on which thread runs them.
 class ItemRanges {
  public:
   ItemRanges(int64_t count, int parts) : parts_(parts > 0 ? parts : 1), cursor_(new Cursor[size_t(parts_)]) {

@@ -8,8 +8,8 @@
 //
 // Tile shape: the micro-kernels keep `row_vecs` vectors of query rows times `col_tile` keys (or value
 // columns) of accumulators in registers; accumulators + row_vecs loads + 1 broadcast must fit the
-// register file (32 zmm, 16 ymm) and give at least latency x FMA-ports independent chains
-// (Zen 4: 4 cycles x 2 ymm pipes = 8 ymm chains, or 4 zmm chains since a zmm FMA takes both pipes).
+// register file (32 zmm, 16 ymm) and give at least latency x FMA-ports independent chains (4 cycles
+// x 2 ymm pipes = 8 ymm chains on current x86 cores).
 //
 // exp2: 2^x = 2^n * 2^f with n = round(x), f = x - n in [-1/2, 1/2] (exact, no ln2 splitting needed
 // because the kernels work in log2 units), 2^f by a polynomial (float: degree-6 minimax, kExp2Float,
@@ -20,11 +20,8 @@
 // or NaN; x < -126 (float) / -1022 (double) return exactly 0 (weights below 2^-126 of the row
 // maximum), NaN returns NaN. Those zeros are selected last, from x itself, so the range reduction
 // takes x unclamped: for x = -inf or far below the range its n, f and p may be anything (NaN from
-// -inf - -inf) and are discarded. (A clamp of x to the range, which these lanes never needed, was
-// one vector operation of ~12 per exp2 on the FMA ports; removing it changed no result. The tile
-// kernel alone, tools/tile_harness.cpp on a Sapphire Rapids-class Xeon, 1024 x 1024, one thread,
-// old and new binaries alternating, 3 rounds, % of the FMA peak: AVX-512 head_dim 64 79.0 -> 79.5-80.0,
-// 128 82.9-84.0 -> 84.3-84.7; AVX2 head_dim 64 85.9-86.2 -> 87.5-87.6.)
+// -inf - -inf) and are discarded: no clamp of x, which would cost a vector operation per exp2 on the
+// FMA ports.
 #pragma once
 
 #include <cmath>
@@ -50,8 +47,8 @@ constexpr double exp2_coeff(int k) {
 
 // 2^f on [-1/2, 1/2] for float: the degree-6 minimax polynomial for the relative error (Remez
 // exchange in 40-digit arithmetic, coefficients then rounded to float). Its relative error is 1.9e-9,
-// and Horner evaluation in float stays under 1 ULP (0.93 ULP over 2e6 points); the degree-7 Taylor
-// polynomial it replaced had 0.86 ULP for one FMA more.
+// and Horner evaluation in float stays under 1 ULP; a Taylor polynomial of the same accuracy takes
+// one FMA more.
 constexpr float kExp2Float[7] = {1.0f,
                                  0.6931471824645996f,
                                  0.24022646248340607f,
@@ -138,19 +135,10 @@ struct Simd<float> {
   static constexpr int lanes = 16;
   static constexpr int row_vecs = 4;  // 4x4 zmm accumulators: 16 chains, 8 loads per 16 FMAs
   static constexpr int col_tile = 4;
-  // The reduction loops of the two register-tiled products, P.V over the keys (kernels.inc,
-  // value_tile) and the GEMM over k (gemm.inc, gemm_tile), written out 4 steps per trip. P.V: the tile kernel alone
-  // (tools/tile_harness.cpp, Sapphire Rapids-class Xeon, one thread, % of the FMA peak, old and new
-  // binaries alternating, 2-3 rounds) 1024 x 1024 x 64 80.0-80.6 -> 81.8-82.6, x 128 84.2-84.5 ->
-  // 87.0-87.6, 2048^2 x 64 80.4-82.7 -> 82.9-85.4, 4096^2 x 64 77.9-78.6 -> 80.2-81.1, 128^2 x 64
-  // 75.7-76.2 -> 75.7-76.8, causal 1024^2 x 64 76.1-77.1 -> 77.7-78.3, causal 128^2 x 64 54.6-55.2 ->
-  // 53.6-54.1 (the one loss); the key loop's pointer and counter updates, three per 24 FMAs, were the
-  // only scalar work left beside the FMA ports. Unrolled by 2: 0.5-1 point below 4 (4096^2 -1 to -4);
-  // the score tiles' head_dim loop unrolled as well: no further change. GEMM (tools/gemm_harness.cpp,
-  // same host, 3 rounds, M x N x K): 1344 x 2304 x 768 91.9-94.6 -> 95.3-97.2% of the peak, 4096 x 3072
-  // x 768 92.6-94.7 -> 95.2-97.5, 1344 x 768 x 3072 92.2-92.8 -> 95.3-96.3 (the harness's plain tile,
-  // the same code in both binaries, moved 0-3 points the same way: about half of that is drift).
-  // Each accumulator still sums in order: the same bits. Not measured on AMD.
+  // The reduction loops of the two register-tiled products, P.V over the keys (tile_values.inc,
+  // value_tile) and the GEMM over k (gemm.inc, gemm_tile), written out 4 steps per trip: the loops'
+  // pointer and counter updates are the only scalar work left beside the FMA ports. Each accumulator
+  // still sums in order: the same bits.
   static constexpr int reduce_unroll = 4;
   static constexpr int gemm_rows = 6;  // GEMM: 6 rows x 4 zmm = 24 accumulators, 10 loads per 24 FMAs
   static constexpr int gemm_vecs = 4;
@@ -196,9 +184,9 @@ struct Simd<float> {
     return add(s, _mm512_mask_blend_ps(inf, clamped, scaled));
   }
   // vrndscaleps gives n = round(x), vscalefps computes p * 2^n in one instruction, and its zero-masking
-  // returns 0 for x < -126 (-inf included); NaN stays NaN (max's second operand wins on NaN). Per
-  // 64 x 128 tile this measured 1-2% faster than the AVX2 flavour's form (magic-number rounding,
-  // 2^n built by a shift and multiplied in), with the same polynomial.
+  // returns 0 for x < -126 (-inf included); NaN stays NaN (max's second operand wins on NaN): fewer
+  // instructions than the AVX2 flavour's form (magic-number rounding, 2^n built by a shift and
+  // multiplied in), with the same polynomial.
   static reg exp2(reg x) {
     const reg n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const reg f = sub(x, n);
@@ -271,7 +259,7 @@ struct Simd<float> {
   // Two vectors' worth of bfloat16 (2 * lanes elements) in one load and two integer operations:
   // `even` gets elements 0, 2, 4, ... (each 32-bit lane's low half shifted up), `odd` 1, 3, 5, ...
   // (the high half kept in place). Half the work of two load_bf16, for callers that can take the
-  // elements in that order (the decode kernel, see decode.inc).
+  // elements in that order (the decode kernel, see decode_read.inc).
   static void load_bf16_pair(const uint16_t* p, reg& even, reg& odd) {
     const __m512i w = _mm512_loadu_si512(p);
     even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
@@ -300,9 +288,7 @@ struct Simd<double> {
   static constexpr int lanes = 8;
   static constexpr int row_vecs = 4;
   static constexpr int col_tile = 4;
-  // As float (the tile kernel alone in float64, % of the float FMA peak, old -> new: 1024^2 x 64 37.0 ->
-  // 37.8-37.9, x 128 33.0-35.0 -> 36.5-39.2, 2048^2 x 64 31.4-33.2 -> 33.6-33.7, 128^2 x 64 35.5 -> 35.1-35.4).
-  static constexpr int reduce_unroll = 4;
+  static constexpr int reduce_unroll = 4;  // as float
   static constexpr int gemm_rows = 6;
   static constexpr int gemm_vecs = 4;
   static constexpr int vec_regs = 32;
@@ -397,23 +383,16 @@ struct Simd<float> {
   using reg = __m256;
   static constexpr int lanes = 8;
   // 3x4 ymm accumulators + 3 loads + 1 broadcast = all 16 registers (12 chains, 7 loads per 12
-  // FMAs; GCC 12 allocates the tiles without a spill). Against 2x6 (one thread, Zen 4, medians of CPU
-  // time): 1x16x1024x64 51.6 -> 46.7 ms, head_dim 128 94.1 -> 87.4, 8x12x128x64 5.93 -> 5.57,
-  // 24x12x32x64 1.26 -> 1.16, GQA 32/8 heads x 256 causal 7.65 -> 6.60; 4x3 was as fast at long
-  // L but 20% slower for 12-row decode chunks (2x3 tiles: 6 chains, latency-bound).
+  // FMAs; GCC allocates the tiles without a spill). 2x6 loads more per FMA; 4x3 leaves short query
+  // blocks with tiles of few, latency-bound chains.
   static constexpr int row_vecs = 3;
   static constexpr int col_tile = 4;
-  // Reduction loops kept rolled: written out 4 steps at a time, P.V measured 1024^2 x 64 and x 128
-  // the same and 4096^2 x 64 2-4 points of the FMA peak slower, the GEMM 1344 x 2304 x 768 and 1344 x
-  // 768 x 3072 0-4 points slower (AVX2 kernels forced on a Sapphire Rapids-class Xeon, the tile and
-  // GEMM harnesses; AVX-512 gains there, see above).
+  // Reduction loops kept rolled: with 16 registers, writing them out gains nothing over the
+  // out-of-order core's own overlap of the trips.
   static constexpr int reduce_unroll = 1;
   // GEMM: 6 rows x 2 ymm = 12 accumulators + 2 loads + 1 broadcast; each W vector, streamed from L2,
-  // serves 6 rows. 4 x 3 (3 W loads per 4 broadcasts) measured 2-5% faster with the AVX2 kernels
-  // forced on an AVX-512 host (2026-11-30), but on Zen 3, a CPU whose best ISA is AVX2 (so where
-  // these kernels run by default), 6 x 2 won: two threads, old and new builds alternating, M x N x K
-  // 128-4096 x 768-4096 x 384-4096 1.03-1.08x (181-190 GFLOP/s), a few rows as in decoding
-  // (5 x 4096 x 4096) 1.27x; float64 0.99-1.07x and 1.25x.
+  // serves 6 rows (on CPUs whose best ISA is AVX2, where these kernels run by default, this beats
+  // 4 x 3's fewer W loads, most of all for the few rows of a decode step).
   static constexpr int gemm_rows = 6;
   static constexpr int gemm_vecs = 2;
   static constexpr int vec_regs = 16;  // ymm0-15
@@ -540,8 +519,7 @@ template <>
 struct Simd<double> {
   using reg = __m256d;
   static constexpr int lanes = 4;
-  // The float tile's shape (see above); against 2x6 (one thread, medians of CPU time): 1x8x1024x128
-  // 108-124 -> 95 ms, 1x12x128x64 1.26-1.31 -> 1.16, 12-row GQA chunks over 4096 keys 26.7-30.8 -> 20.7.
+  // The float tile's shape (see above).
   static constexpr int row_vecs = 3;
   static constexpr int col_tile = 4;
   static constexpr int reduce_unroll = 1;  // as float

@@ -70,8 +70,9 @@ def get_isa():
 
 def runtime_info():
     """Version, kernel ISA, available ISAs, thread count, OpenMP runtime, compiler and per-ISA
-    compiler flags, the CPU vendor and the L2 / last-level cache sizes the kernels plan with (bytes,
-    CPUID; 0 = unknown), as a dict."""
+    compiler flags, and the CPU as the kernels plan with it, as a dict. "cpu" is a dict: vendor
+    ("intel", "amd" or "unknown"), CPUID family and model, L1d / L2 / last-level cache bytes per core
+    (0 where CPUID does not say), and whether AVX2 and AVX-512 are usable."""
     return {
         "version": __version__,
         "isa": get_isa(),
@@ -80,9 +81,7 @@ def runtime_info():
         "openmp": _core.openmp_runtime(),
         "compiler": _core.compiler(),
         "flags": _core.isa_flags(),
-        "cpu_vendor": _core.cpu_vendor(),
-        "l2_cache_bytes": int(_core.cache_bytes(2)),
-        "l3_cache_bytes": int(_core.cache_bytes(3)),
+        "cpu": _core.cpu_info(),
     }
 
 
@@ -91,4 +90,6 @@ def show_config():
     for name, value in runtime_info().items():
         if isinstance(value, list):
             value = ", ".join(value)
+        elif isinstance(value, dict):
+            value = ", ".join(f"{k} {v}" for k, v in value.items())
         print(f"{name:>15}: {value}")

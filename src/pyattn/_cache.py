@@ -40,37 +40,10 @@ def _storage_dtype(dtype):
     return parsed
 
 
-# Where the storage starts relative to a 64-byte boundary, by element size (measured, one thread, 32
-# query heads over 8 KV heads, head_dim 128). NumPy places large arrays 16 bytes past a page, so
-# every 64-byte vector load of a float32/float64 K/V row straddles two cache lines: aligned storage
-# streams a 1 KiB float32 key+value row in 52-57 ns instead of 64-67 (Zen 4). 16-bit rows are
-# compute-bound; for float16 (32-byte loads on AVX-512) the aligned start was the slowest of the
-# four 16-byte steps (31-36 ns per key row against 30-33), so they keep a 16-byte offset. bfloat16
-# rows are read two vectors per load (Load<T, BHalf> in decode.inc), which that offset splits: with
-# K/V in L2 an aligned start was 1.02-1.06x faster (Zen 3, AVX2), but from L3 and memory 0.93-0.98x
-# (storage offsets alternating in one process, 8 KV heads, 4k-16k tokens), so bfloat16 keeps the
-# offset too, except on Zen 5 and on Intel (below).
-_START = {2: 16, 4: 0, 8: 0}
-# On Zen 5 (AMD, CPUID family 1Ah: the decode kernel's rules for that core, attention.cpp
-# decode_rules) bfloat16 storage starts on a line: one decode step (2 threads, 32 query heads of 128,
-# the same values in both layouts alternating in one process, medians of 7 and 11 rounds) took
-# 16-byte offset / aligned 1.09-1.11x with 32 K/V heads at 4k tokens, 1.05x at 16k, 1.12x at 64k,
-# 1.09-1.12x for B = 8 at 4k, 1.04-1.09x with 8 K/V heads at 16k, 1.00x at 64k, 1.15x with 32 K/V
-# heads at 1k (held in the L3); float16 measured 0.95-1.10x (medians) and keeps the offset.
-# On Intel too (a Sapphire Rapids-class Xeon VM, the same method, 15 rounds), where with the offset
-# every 64-byte pair load straddles two lines: 16-byte offset / aligned 1.05-1.07x with 8 K/V heads
-# at 1k-16k tokens (held in the L3, where the step is bound by its arithmetic and misses 1.7x the
-# float32 step's speed), 1.03x with 32 at 1k and for B = 8 at 4k, 0.99x with 8 at 64k, but
-# 0.97-0.985x with 32 at 4k-16k (one query row per K/V row, where the loads, not the arithmetic, set
-# the pace); float16 0.99-1.03x, kept.
-_BFLOAT16_ALIGNED = _core.cpu_is_amd_zen5_on() or _core.cpu_is_intel()
-
-
 def _storage_start(dtype):
-    """Bytes past a cache line where K/V storage of this dtype starts (_START, _BFLOAT16_ALIGNED)."""
-    if _BFLOAT16_ALIGNED and dtype.name == "bfloat16":
-        return 0
-    return _START[dtype.itemsize]
+    """Bytes past a cache line where K/V storage of this dtype starts: where the decode kernel reads it
+    fastest on this CPU (the core's tuning module decides)."""
+    return _core.kv_storage_offset(dtype.itemsize, dtype.name == "bfloat16")
 
 
 def _storage_zeros(shape, dtype):

@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 __version__: str
-# Longest query (rows per head) the driver gives the decode kernel (kDecodeMaxLen, attention.h).
+# Longest query (rows per head) the driver gives the decode kernel (kDecodeMaxLen, tuning.h).
 DECODE_MAX_Q_LEN: int
 
 # (name, mask array, per-(batch, head) int64 offsets, stride_l, stride_s, true_forbids)
@@ -125,59 +125,11 @@ def empty_on_line(dtype: np.dtype, shape: Sequence[int], name: str, start: int =
     """A fresh uninitialised C-contiguous array that starts on a 64-byte cache line (a view into a
     slightly larger uint8 array); `name` is the argument an error names."""
 
-def _set_packed_mask_limit(nbytes: int) -> int:
-    """Largest packed (bit) copy of a boolean mask a call makes (default 8 MiB); 0 makes the kernels
-    read the mask bytes themselves (for tests). Returns the previous limit; a negative nbytes
-    raises ValueError and leaves the limit as it was."""
-
-def _set_prefetch(mode: int) -> int:
-    """What the query tiles prefetch: -1 decided per call from the cache sizes (default), 0 nothing,
-    1 always the next key block's K/V rows, 2 always the next work item's rows (for tests). Returns
-    the previous mode."""
-
-def _set_group_tiles(on: int) -> int:
-    """Whether the query tiles take the heads of a GQA group together (1, the default) or head by
-    head (0, for tests). Returns the previous setting."""
-
-def _set_pack_heads(mode: int) -> int:
-    """Whether the query tiles copy the rows of K/V heads that interleave in memory into a
-    per-thread buffer, head by head: -1 decided per call from the sizes (the default), 0 never, 1
-    whenever they interleave (for tests). Returns the previous setting."""
-
-def _set_decode_heads(mode: int) -> int:
-    """Whether decode calls over K/V heads that interleave in memory read every head's rows of a key
-    block in turn: -1 by rule (the default: wherever they interleave; on Zen 5 only for 16-bit K/V with
-    fewer than 4 query rows per K/V row), 0 never (head by head), 1 wherever they interleave (for
-    tests). Returns the previous setting."""
-
-def _set_decode_block16(keys: int) -> int:
-    """Keys per block of the decode kernel for 16-bit K/V: -1 decided per call (the default), 32 or 64
-    always (for tests). Returns the previous setting."""
-
-def _set_decode_streams(streams: int) -> int:
-    """How many parts of a work item's keys the decode kernel reads side by side: -1 decided per
-    call (the default), 1, 2 or 4 always (for tests). Returns the previous setting."""
-
 def _convert_half(src: np.ndarray, dst: np.ndarray, num_threads: int = 0, bfloat16: bool = False) -> None:
     """float16 bit patterns (uint16) to float32 or float32 to float16 bits, C-contiguous arrays of the
     same size aligned to their element size, rounding to nearest even like NumPy's astype;
     TypeError/ValueError otherwise. bfloat16=True: bfloat16 bits, rounded like ml_dtypes' astype
     (to nearest even; NaN to the quiet NaN of its sign)."""
-
-def cpu_vendor() -> str:
-    """CPUID's vendor string ("GenuineIntel", "AuthenticAMD", ...), "" off x86."""
-
-def cpu_family() -> int:
-    """CPUID's display family (base + extended: 0x19 AMD Zen 3/4, 0x1A Zen 5, 6 Intel cores), 0 off x86."""
-
-def cpu_is_intel() -> bool:
-    """An Intel core (CPUID vendor 'GenuineIntel'), which has rules of its own."""
-
-def cpu_is_amd_zen5_on() -> bool:
-    """An AMD core of family 1Ah or later (Zen 5 on), which has per-core rules of its own."""
-
-def cache_bytes(level: int) -> int:
-    """Bytes of this CPU's level 1-3 data cache per core, from CPUID (0 where it does not say)."""
 
 def set_num_threads(n: int) -> None:
     """Default thread count; 0 restores OpenMP's default. ValueError when negative."""
@@ -197,12 +149,21 @@ def compiler() -> str:
 def isa_flags() -> str:
     """Compiler flags of each ISA's kernels."""
 
-def fma_peak_gflops(num_threads: int, seconds: float = 0.5) -> float:
-    """float32 FMA throughput of the active ISA, GFLOP/s."""
+def cpu_info() -> dict[str, Any]:
+    """The CPU as the tuning module plans with it: vendor ("intel", "amd" or "unknown"), CPUID family
+    and model, l1d_bytes / l2_bytes / llc_bytes per core (0 where CPUID does not say), avx2 and avx512
+    (usable, with OS support); with _set_tuning's CPU fields in place of the probed ones."""
 
-def read_bandwidth_gbs(num_threads: int, nbytes: int = 1073741824) -> float:
-    """Streaming read bandwidth, GB/s (best of 5)."""
+def kv_storage_offset(itemsize: int, bfloat16: bool) -> int:
+    """Bytes past a 64-byte line at which a KVCache's storage of this element size starts: the decode
+    kernel's fastest placement on this CPU."""
 
-def read_buffers_gbs(arrays: Sequence[npt.NDArray[Any]], num_threads: int, repeats: int = 5) -> float:
-    """GB/s of reading these C-contiguous arrays once, each split across num_threads threads (best of
-    `repeats` passes; bench_decode --cold uses one pass over a large buffer to evict the caches)."""
+def _set_tuning(settings: dict[str, Any]) -> dict[str, Any]:
+    """Forces tuning decisions, or the CPU the planner sees (tests and benchmarks; see
+    pyattn._tuning.override). Keys: tile_prefetch ("off", "kv_rows", "next_items"), group_heads (1-8),
+    pack_heads (bool), decode_prefetch ("off", "l1", "l2"), decode_streams (1, 2, 4), decode_block16
+    (32, 64), decode_across_heads (bool), decode_fuse (bool), packed_mask_limit (bytes >= 0),
+    cpu_vendor ("intel", "amd", "unknown"), cpu_family, cpu_model, l2_bytes, llc_bytes (0: unknown);
+    None leaves a key to the rules, keys not given keep their setting. Returns every key's previous
+    value (pass it back to restore). An unknown key or a value outside a key's range raises ValueError
+    naming the key, and changes nothing."""
