@@ -19,7 +19,7 @@ What is held against what:
 * the decode path's key-range split (kv_len 3000) with NaN in forbidden K/V rows, and bitwise
   thread-count determinism (the split depends on the shape only, never on the thread count).
 
-Tolerances: float32/float64 use conftest.TOL; the 16-bit ones live in HALF_TOL below (the only place).
+Tolerances: conftest.TOL, the one table (16-bit results and 16-bit storage included).
 """
 
 import copy
@@ -30,6 +30,7 @@ import pytest
 from conftest import (
     TOL,
     assert_close,
+    tol,
     make_qkv,
     nan_guarded,
     random_array,
@@ -49,14 +50,11 @@ except ImportError:  # pragma: no cover - ml_dtypes is optional; bfloat16 cases 
 
 sdpa = pyattn.scaled_dot_product_attention
 
-# (rtol, atol) for results returned in a 16-bit dtype (scaled_dot_product_attention with float16 or
-# bfloat16 inputs) against the float64 reference of the same, already rounded, inputs. The core
-# computes in float32 and rounds the result once: at most half an ulp, i.e. 2^-11 (float16) or 2^-8
-# (bfloat16) relative; rtol is about twice that. atol is float32's: near zero the float32 error of
-# the computation dominates (float16's subnormal spacing, 6e-8, is far below it).
-# Results of a 16-bit *cache* (KVCache.attend, mha with kv_cache) are float32 computed from the
-# stored K/V, so they are held to TOL[np.float32] against a reference built from those stored values.
-HALF_TOL = {"float16": (1e-3, 2e-5), "bfloat16": (8e-3, 2e-5)}
+# Results returned in a 16-bit dtype (scaled_dot_product_attention with float16 or bfloat16 inputs)
+# are held to conftest.TOL's entry for that dtype against the float64 reference of the same, already
+# rounded, inputs. Results of a 16-bit *cache* (KVCache.attend, mha with kv_cache) are float32
+# computed from the stored K/V, so they are held to TOL[np.float32] against a reference built from
+# those stored values.
 
 HALF_NAMES = ["float16", "bfloat16"]
 # Longest query (rows per head) that the driver gives the decode kernel (kDecodeMaxLen).
@@ -89,15 +87,15 @@ def group_tiles(on):
 
 
 def assert_half_close(actual, expected, name):
-    """A 16-bit result against the float64 reference, with HALF_TOL; dtype must be the input dtype."""
+    """A 16-bit result against the float64 reference, with the table's tolerance for its dtype."""
     assert actual.dtype == np_dtype(name)
-    rtol, atol = HALF_TOL[name]
+    rtol, atol = tol(name)
     np.testing.assert_allclose(f64(actual), expected, rtol=rtol, atol=atol)
 
 
 def assert_result_close(actual, expected, name):
     """scaled_dot_product_attention's result for inputs of dtype `name` against the float64
-    reference: HALF_TOL for 16-bit inputs, conftest.TOL otherwise."""
+    reference, with conftest's tolerance for the result's dtype."""
     if name in HALF_NAMES:
         assert_half_close(actual, expected, name)
     else:
@@ -223,8 +221,8 @@ def test_half_cache_layer_matches_reference_of_stored_kv(isa, rng, name, num_kv_
     e, kv = 64, num_kv_heads * 8
     k_proj = (f64(x) @ f64(state["in_proj_weight"][e:e + kv]).T + f64(state["in_proj_bias"][e:e + kv]))
     k_proj = k_proj.reshape(2, 30, num_kv_heads, 8).transpose(0, 2, 1, 3)
-    rtol = HALF_TOL[name][0]
-    np.testing.assert_allclose(f64(keys), k_proj, rtol=rtol, atol=1e-4)
+    rtol, atol = tol(f"stored {name}")
+    np.testing.assert_allclose(f64(keys), k_proj, rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("name", HALF_NAMES)
@@ -709,7 +707,7 @@ def test_truncate_keeps_the_chunk_queries_positions(isa, rng, left):
     for b, n_old in enumerate([4, 3]):
         first = 4 - n_old if left else 0
         rows = slice(first, first + 2)
-        np.testing.assert_allclose(out[b][:, rows], before[b][:, rows], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(out[b][:, rows], before[b][:, rows], rtol=TOL[np.float32][0], atol=TOL[np.float32][1])
 
 
 @pytest.mark.parametrize("call, name, exc", [

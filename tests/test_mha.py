@@ -442,8 +442,8 @@ def test_gqa_matches_expanded_heads(isa, dtype, rng, num_kv_heads, layout):
     np.testing.assert_allclose(
         reference.mha(query, key, value, num_heads=num_heads, num_kv_heads=num_kv_heads, **weights, **options)[0],
         expected[0],
-        rtol=1e-13,
-        atol=1e-13,
+        rtol=TOL[np.float64][0],
+        atol=TOL[np.float64][1],
     )
 
 

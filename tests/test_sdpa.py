@@ -11,6 +11,7 @@ import pytest
 from conftest import (
     TOL,
     assert_close,
+    tol,
     check_against_reference,
     make_qkv,
     nan_guarded,
@@ -796,11 +797,12 @@ def reference_ignoring_poison(q, k, v, mask, **kwargs):
 
 
 def assert_close_to_reference(out, expected, dtype):
-    """The table's tolerance for float32/float64, and one for 16-bit inputs (rounded to 8 bits)."""
+    """The table's tolerance for the result's dtype (16-bit ones included)."""
     if dtype in (np.float32, np.float64):
         assert_close(out, expected, dtype)
     else:
-        np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=8e-3, atol=2e-5)
+        rtol, atol = tol(dtype)
+        np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=rtol, atol=atol)
 
 
 def bshd_with_nan_neighbours(rng, batch, kv_len, kv_heads, dim, dtype):

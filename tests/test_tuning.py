@@ -22,7 +22,7 @@ import itertools
 
 import numpy as np
 import pytest
-from conftest import TOL, random_array, random_mask
+from conftest import random_array, random_mask, tol
 
 import pyattn
 from pyattn import reference
@@ -35,8 +35,6 @@ except ImportError:  # pragma: no cover - the bfloat16 cases skip
 
 sdpa = pyattn.scaled_dot_product_attention
 
-# 16-bit results against the reference of the same rounded inputs (test_decode.py's HALF_TOL).
-HALF_TOL = {"float16": (1e-3, 2e-5), "bfloat16": (8e-3, 2e-5)}
 # Caches small enough that test-sized K/V count as "from memory" and outgrow L2.
 SMALL_CACHES = dict(l2_bytes=64 << 10, llc_bytes=256 << 10)
 
@@ -54,7 +52,7 @@ def f64(x):
 
 
 def assert_reference(got, expected, name):
-    rtol, atol = HALF_TOL[name] if name in HALF_TOL else TOL[np.dtype(name).type]
+    rtol, atol = tol(name)
     np.testing.assert_allclose(f64(got), expected, rtol=rtol, atol=atol)
 
 
@@ -113,7 +111,7 @@ def tile_calls(name):
         (16, 4, 4, 20, 64, 32, {}),
         (1, 2, 2, 20, 3000, 24, {}),
     ]:
-        if name in HALF_TOL and options.get("mask") == "float":
+        if name in ("float16", "bfloat16") and options.get("mask") == "float":
             continue
         q = random_array(rng, (batch, q_heads, q_len, dim), dtype)
         if options.get("layout") == "bshd":
