@@ -41,8 +41,21 @@ __all__ = [
 
 
 def set_num_threads(n):
-    """Default thread count for pyattn calls without num_threads= (None restores OpenMP's default:
-    OMP_NUM_THREADS, threadpoolctl limits, else all cores)."""
+    """Set the default thread count of pyattn calls made without ``num_threads=``.
+
+    Parameters
+    ----------
+    n : int or None
+        Threads (>= 1; counts beyond a C int are capped), or None to restore OpenMP's default:
+        ``OMP_NUM_THREADS``, threadpoolctl limits, else all cores.
+
+    Raises
+    ------
+    TypeError
+        n is not an int or None.
+    ValueError
+        n < 1.
+    """
     if n is None:
         _core.set_num_threads(0)
         return
@@ -54,25 +67,51 @@ def set_num_threads(n):
 
 
 def get_num_threads():
-    """Threads a call without num_threads= will use."""
+    """Threads a call without ``num_threads=`` will use.
+
+    Returns
+    -------
+    int
+        set_num_threads()'s value, else OpenMP's default (1 in a process forked after a parallel
+        region, and in builds without OpenMP).
+    """
     return _core.get_num_threads()
 
 
 def available_isas():
-    """Kernel ISAs compiled into this build and supported by this CPU, worst to best."""
+    """Kernel ISAs compiled into this build and supported by this CPU.
+
+    Returns
+    -------
+    list of str
+        Worst to best, e.g. ``["generic", "avx2", "avx512"]``; any of them can be forced with the
+        ``PYATTN_ISA`` environment variable before import.
+    """
     return list(_core.available_isas())
 
 
 def get_isa():
-    """The kernel ISA in use (the best available, or the one forced by PYATTN_ISA)."""
+    """The kernel ISA in use.
+
+    Returns
+    -------
+    str
+        The best of available_isas(), or the one ``PYATTN_ISA`` forced.
+    """
     return _core.isa()
 
 
 def runtime_info():
-    """Version, kernel ISA, available ISAs, thread count, OpenMP runtime, compiler and per-ISA
-    compiler flags, and the CPU as the kernels plan with it, as a dict. "cpu" is a dict: vendor
-    ("intel", "amd" or "unknown"), CPUID family and model, L1d / L2 / last-level cache bytes per core
-    (0 where CPUID does not say), and whether AVX2 and AVX-512 are usable."""
+    """What this build runs with, for bug reports and benchmark records.
+
+    Returns
+    -------
+    dict
+        ``version``, ``isa``, ``available_isas``, ``num_threads``, ``openmp`` (runtime), ``compiler``,
+        ``flags`` (per-ISA compiler flags) and ``cpu``: a dict of the CPU as the kernels plan with
+        it: vendor ("intel", "amd" or "unknown"), CPUID family and model, L1d / L2 / last-level
+        cache bytes per core (0 where CPUID does not say), and whether AVX2 and AVX-512 are usable.
+    """
     return {
         "version": __version__,
         "isa": get_isa(),
@@ -86,7 +125,7 @@ def runtime_info():
 
 
 def show_config():
-    """Print runtime_info() in a human-readable form."""
+    """Print runtime_info(), one line per entry."""
     for name, value in runtime_info().items():
         if isinstance(value, list):
             value = ", ".join(value)
