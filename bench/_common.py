@@ -119,8 +119,10 @@ def print_peer_isa(env: dict[str, str]) -> None:
     """The header line saying how the peers' instruction set was limited (nothing when it was not)."""
     if env:
         settings = " ".join(f"{k}={v}" for k, v in env.items())
-        print(f"PyTorch kept to pyattn's ISA ({settings}; --peers-isa native lifts it); "
-              "onnxruntime and NumPy's OpenBLAS use their own kernels")
+        print(
+            f"PyTorch kept to pyattn's ISA ({settings}; --peers-isa native lifts it); "
+            "onnxruntime and NumPy's OpenBLAS use their own kernels"
+        )
 
 
 def machine(pyattn):
@@ -159,8 +161,15 @@ class Timing:
         return Timing(statistics.median(samples), min(samples), len(samples))
 
 
-def _samples(fn: Callable[[], Any], min_time: float, min_runs: int, max_runs: int, warmup: int,
-             settle: float, before: Callable[[], Any] | None = None) -> tuple[list[float], Any]:
+def _samples(
+    fn: Callable[[], Any],
+    min_time: float,
+    min_runs: int,
+    max_runs: int,
+    warmup: int,
+    settle: float,
+    before: Callable[[], Any] | None = None,
+) -> tuple[list[float], Any]:
     """Timed calls of fn (see time_call): the samples in seconds and the last call's result. `before`,
     if given, is called (untimed) before every timed call; its time counts towards min_time, so that
     a slow `before` does not multiply the number of runs."""
@@ -246,8 +255,13 @@ def time_interleaved(
             try:
                 with ctx() if ctx else contextlib.nullcontext():
                     samples, results[name] = _samples(
-                        fn, min_time / rounds, -(-min_runs // rounds), 10_000, warmup if r == 0 else 0, settle,
-                        before.get(name) if before else None
+                        fn,
+                        min_time / rounds,
+                        -(-min_runs // rounds),
+                        10_000,
+                        warmup if r == 0 else 0,
+                        settle,
+                        before.get(name) if before else None,
                     )
             except Exception as exc:  # noqa: BLE001  (reported to the caller, which decides)
                 if raise_errors:
@@ -284,8 +298,9 @@ class TimingDefaults:
     quick_min_time: float = 0.05
 
 
-def add_common_arguments(parser, defaults: TimingDefaults, *, seed_of: str, wait_idle_help: str,
-                         tables: str = "table") -> None:
+def add_common_arguments(
+    parser, defaults: TimingDefaults, *, seed_of: str, wait_idle_help: str, tables: str = "table"
+) -> None:
     """The options every bench script has (each script adds --quick and its own selections):
     --threads, --isa, --peers-isa, --min-time, --min-runs, --rounds, --wait-idle, --seed, --json,
     --markdown.

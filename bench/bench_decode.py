@@ -67,8 +67,9 @@ storage dtype; each K/V row is read once per GQA group) / median time; %bw = of 
 bandwidth measured at start-up in the same run (``pyattn._machine.read_bandwidth_gbs(T, 1 << 30)``);
 rows whose K+V fit in the last-level cache can exceed 100%. read = GB/s of a plain streaming read of
 this row's own K and V arrays (``pyattn._machine.read_buffers_gbs([K, V], T)``, same threads, measured
-just before and just after the row, the higher of the two): the ceiling for exactly these pages, which also reflects whether the OS backed
-them (and the 1 GiB buffer) with transparent huge pages, worth up to 2x on some machines; with
+just before and just after the row, the higher of the two): the ceiling for exactly these pages,
+which also reflects whether the OS backed them (and the 1 GiB buffer) with transparent huge pages,
+worth up to 2x on some machines; with
 --cold, the median of 7 reads, each after the same eviction pass as the timed calls: the ceiling of
 these bytes from memory in one call, start-up included; %rd =
 GB/s / read, the fraction of that ceiling the decode step reaches. max err = max |pyattn - ref| where the
@@ -95,31 +96,31 @@ from dataclasses import dataclass
 import numpy as np
 
 from _common import (
-    machine,
     BUSY_WARN_CPUS,
     ENVIRONMENT_HELP,
     BackgroundLoad,
     Column,
     Table,
+    TimingDefaults,
+    add_common_arguments,
     blas_thread_limiter,
     cpu_model,
+    finish_run,
     fmt,
     fmt_ms,
     import_pyattn,
     limit_peer_isa,
-    print_peer_isa,
+    machine,
     now_iso,
     numpy_attention,
     numpy_blas_name,
     openblas_env_warnings,
     peer_timing,
-    add_common_arguments,
+    print_peer_isa,
     resolve_common_arguments,
-    TimingDefaults,
     time_call,
     time_interleaved,
     wait_for_idle,
-    finish_run,
 )
 
 NUM_HEADS = 32
@@ -234,9 +235,12 @@ def numpy_step(q, cache):
 def time_reference(pyattn, q, cache, timing):
     """The float64 reference on the cache's stored K/V (float64 copies made outside the timing)."""
     keys, values = cache.keys().astype(np.float64), cache.values().astype(np.float64)
-    return time_call(lambda: pyattn.reference.scaled_dot_product_attention(q, keys, values, enable_gqa=True,
-                                                                             is_causal="lower_right"),
-                     **timing)
+    return time_call(
+        lambda: pyattn.reference.scaled_dot_product_attention(
+            q, keys, values, enable_gqa=True, is_causal="lower_right"
+        ),
+        **timing,
+    )
 
 
 COLD_READS = 7  # --cold: evicted plain reads of a row's K and V per measurement of its "read" ceiling
@@ -285,8 +289,10 @@ def case_rows(pyattn, case: Case, args, bandwidth) -> list[dict]:
     t0 = time.perf_counter()
     f32 = filled_cache(pyattn, case, "float32", rng, args.new_tokens)
     fill_s = time.perf_counter() - t0
-    caches = {name: f32 if name == "float32" else filled_cache(pyattn, case, name, rng, args.new_tokens, source=f32)
-              for name in args.dtypes}
+    caches = {
+        name: f32 if name == "float32" else filled_cache(pyattn, case, name, rng, args.new_tokens, source=f32)
+        for name in args.dtypes
+    }
     read_before = {name: kv_read_gbs(pyattn, c, args.threads, args.flush) for name, c in caches.items()}
 
     # The peers on the float32 cache's memory (max_len == S, so keys()/values() are contiguous views).
@@ -299,9 +305,17 @@ def case_rows(pyattn, case: Case, args, bandwidth) -> list[dict]:
     fns["numpy"] = numpy_step(q, f32)
     for name, cache in caches.items():
         fns[name] = lambda c=cache: c.attend(q, num_threads=args.threads)
-    timed = time_interleaved(fns, rounds=args.rounds, min_time=args.min_time, min_runs=args.min_runs,
-                             warmup=WARMUP, settle=PAUSE, contexts={"numpy": args.blas_limit}, raise_errors=True,
-                             before=evictors(pyattn, args, fns))
+    timed = time_interleaved(
+        fns,
+        rounds=args.rounds,
+        min_time=args.min_time,
+        min_runs=args.min_runs,
+        warmup=WARMUP,
+        settle=PAUSE,
+        contexts={"numpy": args.blas_limit},
+        raise_errors=True,
+        before=evictors(pyattn, args, fns),
+    )
     t_numpy, numpy_out = timed["numpy"]
     t_torch, torch_out = timed["torch"] if args.torch else (None, None)
     torch_out = None if torch_out is None else torch_out.numpy()
@@ -547,8 +561,10 @@ def print_header(info: dict) -> None:
         f"pyattn {rt.get('version')}: isa={rt.get('isa')} available={rt.get('available_isas')} "
         f"openmp={rt.get('openmp')} compiler={rt.get('compiler')}"
     )
-    print(f"numpy {np.__version__} ({info['numpy_blas']}); "
-          f"torch {info['torch'] or 'not installed (peer skipped: its columns show -)'}")
+    print(
+        f"numpy {np.__version__} ({info['numpy_blas']}); "
+        f"torch {info['torch'] or 'not installed (peer skipped: its columns show -)'}"
+    )
     print_peer_isa(info["peer_isa_env"])
     for line in openblas_env_warnings():
         print(line)
@@ -569,13 +585,19 @@ def print_header(info: dict) -> None:
         + (" (lower-right causal)" if n > 1 else "")
     )
     if info["cold"]:
-        print(f"--cold: before every timed call (untimed) the library's own threads (pyattn's for numpy) read "
-              f"{info['flush_bytes'] / 2**20:.0f} MiB (2 x (last-level cache + every core's L2), >= 256 MiB), evicting K/V")
+        print(
+            f"--cold: before every timed call (untimed) the library's own threads (pyattn's for numpy) read "
+            f"{info['flush_bytes'] / 2**20:.0f} MiB (2 x (last-level cache + every core's L2), >= 256 MiB), "
+            "evicting K/V"
+        )
     else:
         print("warm: calls back to back; K/V that fit in the last-level cache are read from it (--cold: from memory)")
-    print("ms = median after warm-up; GB/s = K+V bytes stored for S tokens / ms; %bw = of the read bandwidth above;"
-          " read = streaming read of this row's own K and V arrays (GB/s"
-          + (", each after the eviction pass" if info["cold"] else "") + "); %rd = GB/s / read")
+    print(
+        "ms = median after warm-up; GB/s = K+V bytes stored for S tokens / ms; %bw = of the read bandwidth above;"
+        " read = streaming read of this row's own K and V arrays (GB/s"
+        + (", each after the eviction pass" if info["cold"] else "")
+        + "); %rd = GB/s / read"
+    )
     print(
         "numpy = float32 NumPy (one batched matmul per K/V head and its query group, softmax, matmul); "
         "torch = F.scaled_dot_product_attention(enable_gqa=True), float32; both on the float32 cache's memory; "

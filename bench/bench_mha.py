@@ -84,31 +84,31 @@ from dataclasses import dataclass
 import numpy as np
 
 from _common import (
-    machine,
     BUSY_WARN_CPUS,
     ENVIRONMENT_HELP,
     BackgroundLoad,
     Column,
     Table,
+    TimingDefaults,
+    add_common_arguments,
     blas_thread_limiter,
     cpu_model,
+    finish_run,
     fmt,
     fmt_ms,
     import_pyattn,
     limit_peer_isa,
-    print_peer_isa,
+    machine,
     now_iso,
     numpy_attention,
     numpy_blas_name,
     openblas_env_warnings,
     peer_timing,
-    add_common_arguments,
+    print_peer_isa,
     resolve_common_arguments,
-    TimingDefaults,
     time_call,
     time_interleaved,
     wait_for_idle,
-    finish_run,
 )
 
 DTYPE = np.float32
@@ -330,7 +330,6 @@ def layer_row(pyattn, case: LayerCase, args, peak) -> dict:
     return row
 
 
-
 def decode_row(pyattn, case: DecodeCase, args, peak) -> dict:
     """Time DECODE_STEPS one-token steps of pyattn's layer over its KVCache and, when torch is
     installed, of the same step in PyTorch (torch_decode); blocks separate."""
@@ -359,8 +358,9 @@ def decode_row(pyattn, case: DecodeCase, args, peak) -> dict:
     def run_function():  # pyattn.mha: the weights as arrays on every call
         function_cache.truncate(s)
         for token in tokens:
-            out = pyattn.mha(token, num_heads=h, num_kv_heads=hkv, kv_cache=function_cache,
-                             num_threads=args.threads, **weights)
+            out = pyattn.mha(
+                token, num_heads=h, num_kv_heads=hkv, kv_cache=function_cache, num_threads=args.threads, **weights
+            )
         return out
 
     fns = {"pyattn": run_pyattn, "pyattn.mha": run_function}
@@ -430,10 +430,11 @@ def torch_decode(case: DecodeCase, state, cache, tokens, threads):
             for i in range(DECODE_STEPS):
                 x, pos = ttokens[i], s + i
                 q = F.linear(x, wq, bq).view(1, 1, h, dh).transpose(1, 2)
-                k_cache[:, :, pos:pos + 1] = F.linear(x, wk, bk).view(1, 1, hkv, dh).transpose(1, 2)
-                v_cache[:, :, pos:pos + 1] = F.linear(x, wv, bv).view(1, 1, hkv, dh).transpose(1, 2)
-                o = F.scaled_dot_product_attention(q, k_cache[:, :, :pos + 1], v_cache[:, :, :pos + 1],
-                                                   enable_gqa=hkv != h)
+                k_cache[:, :, pos : pos + 1] = F.linear(x, wk, bk).view(1, 1, hkv, dh).transpose(1, 2)
+                v_cache[:, :, pos : pos + 1] = F.linear(x, wv, bv).view(1, 1, hkv, dh).transpose(1, 2)
+                o = F.scaled_dot_product_attention(
+                    q, k_cache[:, :, : pos + 1], v_cache[:, :, : pos + 1], enable_gqa=hkv != h
+                )
                 out = F.linear(o.transpose(1, 2).reshape(1, 1, e), wo, bo)
         return out
 
@@ -443,8 +444,15 @@ def torch_decode(case: DecodeCase, state, cache, tokens, threads):
 def interleaved(fns, args, contexts=None) -> dict:
     """name -> (timing, result) of each callable, timed in args.rounds alternating blocks
     (time_interleaved); a failure is raised."""
-    return time_interleaved(fns, rounds=args.rounds, min_time=args.min_time, min_runs=args.min_runs,
-                            warmup=WARMUP, contexts=contexts, raise_errors=True)
+    return time_interleaved(
+        fns,
+        rounds=args.rounds,
+        min_time=args.min_time,
+        min_runs=args.min_runs,
+        warmup=WARMUP,
+        contexts=contexts,
+        raise_errors=True,
+    )
 
 
 def gemm_row(pyattn, case: GemmCase, args, peak) -> dict:
@@ -692,8 +700,10 @@ def print_header(info: dict) -> None:
         f"pyattn {rt.get('version')}: isa={rt.get('isa')} available={rt.get('available_isas')} "
         f"openmp={rt.get('openmp')} compiler={rt.get('compiler')}"
     )
-    print(f"numpy {np.__version__} ({info['numpy_blas']}); "
-          f"torch {info['torch'] or 'not installed (peer skipped: its columns show -)'}")
+    print(
+        f"numpy {np.__version__} ({info['numpy_blas']}); "
+        f"torch {info['torch'] or 'not installed (peer skipped: its columns show -)'}"
+    )
     print_peer_isa(info["peer_isa_env"])
     print(f"FMA peak (measured now, float32, pyattn's ISA): {peak:.1f} GFLOP/s")
     peak_busy = info["fma_peak_background_cpus"]
@@ -706,7 +716,10 @@ def print_header(info: dict) -> None:
         print(f"background load before the run: {busy:.1f} of {info['logical_cpus']} CPUs busy")
         if busy > BUSY_WARN_CPUS:
             print("WARNING: other processes are using the CPUs; timings will be noisy and slow")
-    print("float32; ms = median over runs after warm-up (min ms = fastest); each library timed in its own blocks, --rounds alternating blocks per row")
+    print(
+        "float32; ms = median over runs after warm-up (min ms = fastest); each library timed in its own blocks, "
+        "--rounds alternating blocks per row"
+    )
     print("layer GFLOP/s = (8*B*L*E^2 [Q,K,V,out projections, 2*M*N*K each] + 4*B*H*L*S*Dh [attention]) / time")
     print("GEMM GFLOP/s = 2*M*N*K / time; %peak = of the FMA peak above")
     print(
@@ -790,8 +803,10 @@ def main(argv=None) -> int:
             results["gemm"].append(row)
             print(GEMM_TABLE.add(gemm_cells(row)), flush=True)
     if not args.no_decode and decodes:
-        print(f"\nDecode step: one token through the layer over a KV cache (batch 1), ms per token, "
-              f"{DECODE_STEPS} tokens per timed call")
+        print(
+            f"\nDecode step: one token through the layer over a KV cache (batch 1), ms per token, "
+            f"{DECODE_STEPS} tokens per timed call"
+        )
         print(DECODE_TABLE.header(), flush=True)
         for case in decodes:
             row = guarded(decode_row, pyattn, case, args, peak)
@@ -818,8 +833,12 @@ def main(argv=None) -> int:
                     fresh.add(cells(row))
                 print(f"\n{title}\n")
                 print(fresh.markdown())
-    return finish_run(info, args.json, results,
-                      f"{len(results['layer'])} layer, {len(results['gemm'])} GEMM and {len(results['decode'])} decode rows")
+    return finish_run(
+        info,
+        args.json,
+        results,
+        f"{len(results['layer'])} layer, {len(results['gemm'])} GEMM and {len(results['decode'])} decode rows",
+    )
 
 
 if __name__ == "__main__":

@@ -51,7 +51,6 @@ waits for idle CPUs before each row and redoes disturbed rows.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import platform
@@ -62,30 +61,30 @@ from dataclasses import dataclass
 import numpy as np
 
 from _common import (
-    machine,
     BUSY_WARN_CPUS,
     ENVIRONMENT_HELP,
     BackgroundLoad,
     Column,
     Table,
+    TimingDefaults,
+    add_common_arguments,
     blas_thread_limiter,
     cpu_model,
+    finish_run,
     fmt,
     fmt_ms,
     import_pyattn,
     limit_peer_isa,
+    machine,
     measure_ceilings,
     now_iso,
     numpy_attention,
     numpy_blas_name,
     openblas_env_warnings,
     print_peer_isa,
-    add_common_arguments,
     resolve_common_arguments,
-    TimingDefaults,
     time_interleaved,
     wait_for_idle,
-    finish_run,
 )
 
 DTYPE = np.float32
@@ -145,7 +144,9 @@ ENV_RECORDED = (
 # Inputs, masks and work counts
 
 
-def make_inputs(case: Case, rng: np.random.Generator, layout: str = "bhsd") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def make_inputs(
+    case: Case, rng: np.random.Generator, layout: str = "bhsd"
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Standard-normal float32 query, key, value of shape (B, H, len, D): stored that way ("bhsd"),
     or stored (B, len, H, D) and viewed heads first ("bshd", the layout Hugging Face models pass:
     every library gets the same strided views)."""
@@ -251,9 +252,7 @@ def make_onnxruntime_peer(case, variant, q, k, v, mask, threads):
     names = ["q", "k", "v"] + ([] if mask is None else ["mask"])
     feeds = dict(zip(names, (q, k, v, mask)))
     inputs = [
-        helper.make_tensor_value_info(
-            name, TensorProto.BOOL if name == "mask" else TensorProto.FLOAT, list(arr.shape)
-        )
+        helper.make_tensor_value_info(name, TensorProto.BOOL if name == "mask" else TensorProto.FLOAT, list(arr.shape))
         for name, arr in feeds.items()
     ]
     output = helper.make_tensor_value_info("out", TensorProto.FLOAT, [*q.shape[:-1], v.shape[-1]])
@@ -293,7 +292,11 @@ def make_ort_mha_peer(case, variant, q, k, v, mask, threads):
     inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(feeds[n].shape)) for n in feeds]
     output = helper.make_tensor_value_info("out", TensorProto.FLOAT, [batch, q_len, heads * vdim])
     node = helper.make_node(
-        "MultiHeadAttention", names, ["out"], domain="com.microsoft", num_heads=heads,
+        "MultiHeadAttention",
+        names,
+        ["out"],
+        domain="com.microsoft",
+        num_heads=heads,
         unidirectional=int(peer_is_causal(case, variant)),
     )
     graph = helper.make_graph([node], "mha", inputs, [output])
@@ -384,9 +387,7 @@ def print_header(info: dict, peers: list[str]) -> None:
     fma = ceil["fma_peak_gflops"]
     bw = ceil["read_bandwidth_gbs"]
     print(f"pyattn bench_sdpa   {info['date']}")
-    print(
-        f"CPU: {info['cpu']} ({info['logical_cpus']} logical CPUs); threads, every library: {info['threads']}"
-    )
+    print(f"CPU: {info['cpu']} ({info['logical_cpus']} logical CPUs); threads, every library: {info['threads']}")
     print(
         f"pyattn {rt.get('version')}: isa={rt.get('isa')} available={rt.get('available_isas')} "
         f"openmp={rt.get('openmp')} compiler={rt.get('compiler')}"
@@ -412,9 +413,11 @@ def print_header(info: dict, peers: list[str]) -> None:
     print("dtype float32; times in ms = median over runs (min ms = fastest run); warm-up excluded")
     print("GFLOP/s = 4*B*H*D*pairs / time; none/mask rows count all L*S pairs, causal only allowed ones")
     print("%peak = of the FMA peak measured right before and after the row (the higher; the machine drifts)")
-    print("GB/s (decode rows only) = bytes of K+V / time (mask rows: all of K+V, though the padding is not"
-          " read); %bw = of the read bandwidth above; %rd = of a plain streaming read of the row's own K and V"
-          " arrays (pyattn._machine.read_buffers_gbs, same threads)")
+    print(
+        "GB/s (decode rows only) = bytes of K+V / time (mask rows: all of K+V, though the padding is not"
+        " read); %bw = of the read bandwidth above; %rd = of a plain streaming read of the row's own K and V"
+        " arrays (pyattn._machine.read_buffers_gbs, same threads)"
+    )
     print(
         "bg = CPUs other processes kept busy during the row (machine busy time - this process's);"
         f" rows with bg > {BUSY_WARN_CPUS} are noisy"
@@ -480,7 +483,10 @@ def run_row(pyattn, case, variant, inputs, mask, peers, args, ceilings) -> dict:
     peak_seconds = 0.05 if args.quick else 0.15
     row_peak = [float(measure_peak(args.threads, peak_seconds))] if measure_peak else []
     timed = time_interleaved(
-        fns, rounds=args.rounds, min_time=args.min_time, min_runs=args.min_runs,
+        fns,
+        rounds=args.rounds,
+        min_time=args.min_time,
+        min_runs=args.min_runs,
         contexts={"numpy": args.blas_limit},
     )
     if measure_peak:
@@ -629,8 +635,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(float32, same thread count) on the DESIGN shape suite.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
-            ENVIRONMENT_HELP.format(script="bench/bench_sdpa.py")
-            + f"\nshape names: {', '.join(c.name for c in SUITE)}"
+            ENVIRONMENT_HELP.format(script="bench/bench_sdpa.py") + f"\nshape names: {', '.join(c.name for c in SUITE)}"
         ),
     )
     parser.add_argument(
@@ -644,9 +649,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="comma-separated filters; a shape runs if any filter is a substring of its name "
         "(e.g. '1x16x1024x64,S=16384') or the filter is 'decode' and L == 1",
     )
-    parser.add_argument(
-        "--variants", default=",".join(VARIANTS), help="comma-separated subset of %(default)s"
-    )
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of %(default)s")
     parser.add_argument(
         "--peers",
         default=",".join(PEERS),

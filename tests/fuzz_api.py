@@ -25,7 +25,6 @@ import math
 import pickle
 import sys
 import time
-from typing import Optional
 
 import numpy as np
 from hypothesis import HealthCheck, event, given, settings
@@ -61,7 +60,7 @@ class Case:
     def __init__(self, query, key, value, attn_mask, kwargs, isa, error=None, names=(), tags=()):
         self.query, self.key, self.value, self.attn_mask = query, key, value, attn_mask
         self.kwargs, self.isa = kwargs, isa
-        self.error: Optional[type] = error
+        self.error: type | None = error
         self.names = tuple(names)
         self.tags = list(tags)
 
@@ -87,8 +86,19 @@ _FLOATS = ("float32", "float64")
 # Big-endian floats too: a ">f2" array also calls itself "float16" (it was once read as native bits).
 _BAD_DTYPES = ("int32", "int64", "complex64", "complex128", "object", "bool", "uint8", ">f2", ">f4", ">f8")
 _HALF = ("float16",) + (("bfloat16",) if ml_dtypes is not None else ())
-_LAYOUTS = ("c", "c", "c", "guarded", "transposed", "reversed", "last_strided", "fortran", "misaligned", "stride0",
-            "unpickled")
+_LAYOUTS = (
+    "c",
+    "c",
+    "c",
+    "guarded",
+    "transposed",
+    "reversed",
+    "last_strided",
+    "fortran",
+    "misaligned",
+    "stride0",
+    "unpickled",
+)
 
 
 def _np_dtype(name):
@@ -158,17 +168,37 @@ def _reduce_batch(batch, rng, drop_ok=True):
     """A batch shape that broadcasts to `batch`: leading dims dropped, others set to 1."""
     batch = list(batch)
     if drop_ok and batch and rng.random() < 0.3:
-        batch = batch[int(rng.integers(1, len(batch) + 1)):]
+        batch = batch[int(rng.integers(1, len(batch) + 1)) :]
     return tuple(1 if rng.random() < 0.3 else n for n in batch)
 
 
 # --- the strategy ---------------------------------------------------------------------------------
 
 MISTAKES = (
-    "bad_dtype", "mixed_dtype", "ndim1", "key_dim", "value_len", "value_heads", "heads_no_gqa",
-    "gqa_ratio", "batch_mismatch", "mask_dtype", "mask_shape", "mask_extra_batch", "scale_nonfinite",
-    "scale_type", "threads_value", "threads_type", "causal_value", "out_shape", "out_dtype", "out_layout",
-    "out_readonly", "out_type", "out_overlap", "masked",
+    "bad_dtype",
+    "mixed_dtype",
+    "ndim1",
+    "key_dim",
+    "value_len",
+    "value_heads",
+    "heads_no_gqa",
+    "gqa_ratio",
+    "batch_mismatch",
+    "mask_dtype",
+    "mask_shape",
+    "mask_extra_batch",
+    "scale_nonfinite",
+    "scale_type",
+    "threads_value",
+    "threads_type",
+    "causal_value",
+    "out_shape",
+    "out_dtype",
+    "out_layout",
+    "out_readonly",
+    "out_type",
+    "out_overlap",
+    "masked",
 )
 
 
@@ -273,8 +303,11 @@ def cases(draw):
 
     # attention mask
     mask = None
-    full_shape = np.broadcast_shapes(q_shape[:-3], k_shape[:-3], v_shape[:-3]) + (q_heads, q_len, kv_len) \
-        if error is None and rank >= 3 else (q_len, kv_len)
+    full_shape = (
+        np.broadcast_shapes(q_shape[:-3], k_shape[:-3], v_shape[:-3]) + (q_heads, q_len, kv_len)
+        if error is None and rank >= 3
+        else (q_len, kv_len)
+    )
     mask_kind = draw(st.sampled_from(["none", "none", "bool", "bool", "float"]))
     if mistake in ("mask_dtype", "mask_shape", "mask_extra_batch") and mask_kind == "none":
         mask_kind = "bool"
@@ -310,8 +343,14 @@ def cases(draw):
 
     # special values: NaN behind forbidden keys must not leak; NaN in a query row propagates
     special = draw(st.sampled_from(["none", "none", "none", "forbidden_nan", "query_nan"]))
-    if (error is None and kv_len > 1 and special == "forbidden_nan" and mask is not None and mask.ndim
-            and mask.shape[-1] == kv_len):
+    if (
+        error is None
+        and kv_len > 1
+        and special == "forbidden_nan"
+        and mask is not None
+        and mask.ndim
+        and mask.shape[-1] == kv_len
+    ):
         j = int(rng.integers(0, kv_len))
         mask[..., j] = False if mask.dtype == np.bool_ else -np.inf
         key[..., j, :] = np.nan
@@ -378,8 +417,11 @@ def cases(draw):
     if mistake and mistake.startswith("out_"):
         out_kind = mistake
     if out_kind != "none" and (error is None or out_kind == mistake):
-        out_shape = (q_len, value_dim) if max(len(q_shape), len(k_shape), len(v_shape)) == 2 else \
-            np.broadcast_shapes(q_shape[:-3], k_shape[:-3], v_shape[:-3]) + (q_heads, q_len, value_dim)
+        out_shape = (
+            (q_len, value_dim)
+            if max(len(q_shape), len(k_shape), len(v_shape)) == 2
+            else np.broadcast_shapes(q_shape[:-3], k_shape[:-3], v_shape[:-3]) + (q_heads, q_len, value_dim)
+        )
         out_dtype = _np_dtype(dtype)
         if out_kind == "out_shape":
             out_shape = out_shape[:-1] + (value_dim + 1,)
@@ -432,8 +474,10 @@ def _snapshot(x):
 def _same(a, b):
     if a.dtype.name == "bfloat16":  # ml_dtypes: NumPy sees kind 'V'; compare the values, NaN included
         a, b = a.astype(np.float64), b.astype(np.float64)
-    return a.shape == b.shape and a.dtype == b.dtype and (
-        np.array_equal(a, b, equal_nan=True) if a.dtype.kind in "fc" else np.array_equal(a, b)
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and (np.array_equal(a, b, equal_nan=True) if a.dtype.kind in "fc" else np.array_equal(a, b))
     )
 
 
@@ -573,8 +617,12 @@ def long_run(doc, batch, strategy, check, argv=None, what="fuzzing"):
     print(f"pyattn {pyattn.__version__}, ISAs {pyattn.available_isas()}, {what} for {args.minutes} min")
     # check itself is the test: hypothesis keys its example database by the test's source, so each
     # fuzzer replays its own saved failures.
-    fuzz = settings(max_examples=args.batch, deadline=None, print_blob=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])(given(strategy)(check))
+    fuzz = settings(
+        max_examples=args.batch,
+        deadline=None,
+        print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )(given(strategy)(check))
     while time.monotonic() < deadline:
         fuzz()
         runs += 1

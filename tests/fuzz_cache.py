@@ -56,11 +56,10 @@ try:  # the one tolerance table of the suite, and what the two fuzzers share
 except ImportError:  # pragma: no cover - run from elsewhere
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     import fuzz_api
-from fuzz_api import _np_dtype, ml_dtypes, tol
 from fuzz_api import _layout as fuzz_api_layout
+from fuzz_api import _np_dtype, ml_dtypes, tol
 from fuzz_cache_mistakes import MISTAKES, KnownIssue, Mistakes
-from fuzz_cache_model import (MAX_ELEMENTS, MAX_EMBED, Model, Snapshot, _bits, _compare, _f64,
-                              _score_factor)
+from fuzz_cache_model import MAX_ELEMENTS, MAX_EMBED, Model, Snapshot, _bits, _compare, _f64, _score_factor
 
 # Tags counted over a run (a crude coverage report; hypothesis `event`s show the same in
 # `pytest --hypothesis-show-statistics`).
@@ -111,8 +110,13 @@ class Program:
 
 
 # "decode" is an append followed by an attend over it (what a decoding loop does).
-_KINDS = ("append",) * 4 + ("attend",) * 3 + ("decode",) * 4 + ("mha",) * 5 + (
-    "truncate", "trim", "trim", "reset", "views", "views", "set_lengths")
+_KINDS = (
+    ("append",) * 4
+    + ("attend",) * 3
+    + ("decode",) * 4
+    + ("mha",) * 5
+    + ("truncate", "trim", "trim", "reset", "views", "views", "set_lengths")
+)
 
 
 @st.composite
@@ -122,26 +126,44 @@ def _ops(draw, kind=None):
     if kind == "decode":
         return Op(kind, append=draw(_ops("append")).args, attend=draw(_ops("attend")).args)
     if kind == "append":
-        return Op(kind, chunk=draw(st.sampled_from(CHUNKS)), ragged=draw(st.sampled_from(RAGGED)),
-                  left=draw(st.booleans()),
-                  dtype=draw(st.sampled_from(("same", "same", "float32", "float64") + STORAGE[2:])),
-                  layouts=(draw(st.sampled_from(LAYOUTS)), draw(st.sampled_from(LAYOUTS))),
-                  pad_nan=draw(st.booleans()), magnitude=draw(st.sampled_from([1.0, 1.0, 1.0, 3.0, 1e-3])), seed=seed)
+        return Op(
+            kind,
+            chunk=draw(st.sampled_from(CHUNKS)),
+            ragged=draw(st.sampled_from(RAGGED)),
+            left=draw(st.booleans()),
+            dtype=draw(st.sampled_from(("same", "same", "float32", "float64") + STORAGE[2:])),
+            layouts=(draw(st.sampled_from(LAYOUTS)), draw(st.sampled_from(LAYOUTS))),
+            pad_nan=draw(st.booleans()),
+            magnitude=draw(st.sampled_from([1.0, 1.0, 1.0, 3.0, 1e-3])),
+            seed=seed,
+        )
     if kind == "attend":
-        return Op(kind, group=draw(st.sampled_from([1, 1, 2, 3, 4, 6])),
-                  dtype=draw(st.sampled_from(("same", "same", "same", "float32", "float64") + STORAGE[2:])),
-                  layout=draw(st.sampled_from(LAYOUTS)),
-                  scale=draw(st.one_of(st.none(), st.floats(-2, 2, allow_nan=False), st.sampled_from([0.0, 1.5]))),
-                  threads=draw(st.sampled_from(THREADS)), pad_nan=draw(st.booleans()),
-                  repeat=draw(st.sampled_from([False, False, False, True])), seed=seed)
+        return Op(
+            kind,
+            group=draw(st.sampled_from([1, 1, 2, 3, 4, 6])),
+            dtype=draw(st.sampled_from(("same", "same", "same", "float32", "float64") + STORAGE[2:])),
+            layout=draw(st.sampled_from(LAYOUTS)),
+            scale=draw(st.one_of(st.none(), st.floats(-2, 2, allow_nan=False), st.sampled_from([0.0, 1.5]))),
+            threads=draw(st.sampled_from(THREADS)),
+            pad_nan=draw(st.booleans()),
+            repeat=draw(st.sampled_from([False, False, False, True])),
+            seed=seed,
+        )
     if kind == "mha":
-        return Op(kind, form=draw(st.sampled_from(["layer", "layer", "function"])),
-                  group=draw(st.sampled_from([1, 1, 2, 3, 4])),
-                  chunk=draw(st.sampled_from(CHUNKS)), ragged=draw(st.sampled_from(RAGGED)),
-                  left=draw(st.booleans()), unbatched=draw(st.booleans()),
-                  weights=draw(st.sampled_from(["in_proj", "separate", "separate_no_bias", "in_proj_no_bias"])),
-                  layout=draw(st.sampled_from(["c", "c", "guarded", "last_strided"])),
-                  threads=draw(st.sampled_from(THREADS)), pad_nan=draw(st.booleans()), seed=seed)
+        return Op(
+            kind,
+            form=draw(st.sampled_from(["layer", "layer", "function"])),
+            group=draw(st.sampled_from([1, 1, 2, 3, 4])),
+            chunk=draw(st.sampled_from(CHUNKS)),
+            ragged=draw(st.sampled_from(RAGGED)),
+            left=draw(st.booleans()),
+            unbatched=draw(st.booleans()),
+            weights=draw(st.sampled_from(["in_proj", "separate", "separate_no_bias", "in_proj_no_bias"])),
+            layout=draw(st.sampled_from(["c", "c", "guarded", "last_strided"])),
+            threads=draw(st.sampled_from(THREADS)),
+            pad_nan=draw(st.booleans()),
+            seed=seed,
+        )
     if kind in ("truncate", "trim"):
         return Op(kind, per_row=draw(st.booleans()), seed=seed)
     if kind == "set_lengths":
@@ -159,8 +181,14 @@ def programs(draw):
     max_len = draw(st.one_of(st.integers(1, 40), st.integers(1, 40), st.integers(41, 300), st.integers(301, 2500)))
     # Cap the storage (a bitwise comparison runs after every operation): long caches get small rows.
     max_len = max(1, min(max_len, MAX_ELEMENTS // (batch * num_kv_heads * (head_dim + value_dim))))
-    config = dict(batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, value_dim=value_dim, max_len=max_len,
-                  dtype=draw(st.sampled_from(STORAGE)))
+    config = dict(
+        batch=batch,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        value_dim=value_dim,
+        max_len=max_len,
+        dtype=draw(st.sampled_from(STORAGE)),
+    )
     ops = draw(st.lists(_ops(), min_size=1, max_size=12))
     mistake = draw(st.one_of(st.none(), st.sampled_from(MISTAKES)))  # half the programs
     if mistake:
@@ -185,11 +213,17 @@ class Runner(Mistakes):
         # value_dim left out (its default) or given; bfloat16 by name or as the ml_dtypes type.
         value_dim = None if c["value_dim"] == c["head_dim"] and self.rng.random() < 0.5 else c["value_dim"]
         dtype = "bfloat16" if c["dtype"] == "bfloat16" and self.rng.random() < 0.5 else self.storage
-        self.cache = pyattn.KVCache(c["batch"], c["num_kv_heads"], c["head_dim"], c["max_len"], value_dim=value_dim,
-                                    dtype=dtype)
+        self.cache = pyattn.KVCache(
+            c["batch"], c["num_kv_heads"], c["head_dim"], c["max_len"], value_dim=value_dim, dtype=dtype
+        )
         self.model = Model(c["batch"], c["num_kv_heads"], c["head_dim"], c["value_dim"], c["max_len"], self.storage)
-        self.batch, self.hk, self.d, self.dv, self.max_len = (c["batch"], c["num_kv_heads"], c["head_dim"],
-                                                              c["value_dim"], c["max_len"])
+        self.batch, self.hk, self.d, self.dv, self.max_len = (
+            c["batch"],
+            c["num_kv_heads"],
+            c["head_dim"],
+            c["value_dim"],
+            c["max_len"],
+        )
         self.layers = {}
         self.tags = []
         self.check_state()
@@ -208,8 +242,11 @@ class Runner(Mistakes):
         assert cache.dtype == self.storage
         for name, got, want in (("keys", cache._k, model.k), ("values", cache._v, model.v)):
             if _bits(got) != _bits(want):
-                diff = np.argwhere((got.view(np.uint8).reshape(got.shape + (-1,))
-                                    != want.view(np.uint8).reshape(want.shape + (-1,))).any(-1))
+                diff = np.argwhere(
+                    (
+                        got.view(np.uint8).reshape(got.shape + (-1,)) != want.view(np.uint8).reshape(want.shape + (-1,))
+                    ).any(-1)
+                )
                 raise AssertionError(f"stored {name} differ from the model (first positions {diff[:4].tolist()})")
 
     # -- helpers ----------------------------------------------------------------------------------------
@@ -244,7 +281,7 @@ class Runner(Mistakes):
             for b, n in enumerate(counts):
                 real = np.zeros(chunk, bool)
                 start = int(firsts[b]) if firsts is not None else (chunk - n if left else 0)
-                real[start:start + n] = True
+                real[start : start + n] = True
                 index = [b] + [slice(None)] * (x.ndim - 1)
                 index[axis] = ~real
                 x[tuple(index)] = np.nan
@@ -283,8 +320,8 @@ class Runner(Mistakes):
         for b in range(self.batch):
             n, pos = int(counts[b]), int(m.lengths[b])
             start = chunk - n if kwargs.get("left_padded") else 0
-            m.k[b, :, pos:pos + n] = k[b, :, start:start + n].astype(self.storage)
-            m.v[b, :, pos:pos + n] = v[b, :, start:start + n].astype(self.storage)
+            m.k[b, :, pos : pos + n] = k[b, :, start : start + n].astype(self.storage)
+            m.v[b, :, pos : pos + n] = v[b, :, start : start + n].astype(self.storage)
         self._commit(counts, chunk, kwargs.get("left_padded", False))
         self.tag("append:ragged" if is_ragged else "append:full")
         self.tag(f"chunk:{'0' if chunk == 0 else '1' if chunk == 1 else '<=8' if chunk <= DECODE_MAX else '>8'}")
@@ -299,16 +336,19 @@ class Runner(Mistakes):
         shape = (self.batch, heads, m.last_chunk, self.d)
         real = np.array([m.real_rows(b).stop - m.real_rows(b).start for b in range(self.batch)])
         nan_pad = pad_nan and (real < m.last_chunk).any()
-        q = self._padded(shape, real if nan_pad else None, m.last_chunk, m.last_left, nan_pad, q_dtype,
-                         firsts=m.last_first)
+        q = self._padded(
+            shape, real if nan_pad else None, m.last_chunk, m.last_left, nan_pad, q_dtype, firsts=m.last_first
+        )
         query = _layout(q, layout)
         kwargs = {}
         if scale is not None:
             kwargs["scale"] = scale
         if threads is not None:
             kwargs["num_threads"] = threads
-        self.trace(f"attend(query {shape} {q_dtype} {layout}, {kwargs}) lengths={m.lengths.tolist()} "
-                   f"last_new={m.last_new.tolist()} left={m.last_left}")
+        self.trace(
+            f"attend(query {shape} {q_dtype} {layout}, {kwargs}) lengths={m.lengths.tolist()} "
+            f"last_new={m.last_new.tolist()} left={m.last_left}"
+        )
         snap = Snapshot(query)
         out = self.cache.attend(query, **kwargs)
         snap.assert_unchanged()
@@ -340,8 +380,9 @@ class Runner(Mistakes):
         key = (group, np.dtype(dtype).name, hk, head_dim)
         if key not in self.layers:
             heads = hk * group
-            layer = pyattn.MultiHeadAttention(heads * head_dim, heads, num_kv_heads=hk, dtype=dtype,
-                                              seed=int(self.rng.integers(1 << 30)))
+            layer = pyattn.MultiHeadAttention(
+                heads * head_dim, heads, num_kv_heads=hk, dtype=dtype, seed=int(self.rng.integers(1 << 30))
+            )
             state = layer.state_dict()
             for name in ("in_proj_bias", "out_proj.bias"):
                 state[name] = (0.5 * self.rng.standard_normal(state[name].shape)).astype(dtype)
@@ -363,22 +404,31 @@ class Runner(Mistakes):
         e = layer.embed_dim
         kvw = layer.num_kv_heads * (e // layer.num_heads)
         w, b = state["in_proj_weight"], state["in_proj_bias"]
-        args = dict(num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
-                    out_proj_weight=state["out_proj.weight"])
+        args = dict(
+            num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, out_proj_weight=state["out_proj.weight"]
+        )
         if form.startswith("in_proj"):
             args["in_proj_weight"] = w
         else:  # row blocks of one array (views)
-            args.update(q_proj_weight=w[:e], k_proj_weight=w[e:e + kvw], v_proj_weight=w[e + kvw:])
+            args.update(q_proj_weight=w[:e], k_proj_weight=w[e : e + kvw], v_proj_weight=w[e + kvw :])
         if not form.endswith("no_bias"):
             if form.startswith("in_proj") or self.rng.random() < 0.5:
                 args["in_proj_bias"] = b
             else:
-                args.update(q_proj_bias=b[:e], k_proj_bias=b[e:e + kvw], v_proj_bias=b[e + kvw:])
+                args.update(q_proj_bias=b[:e], k_proj_bias=b[e : e + kvw], v_proj_bias=b[e + kvw :])
             args["out_proj_bias"] = state["out_proj.bias"]
         bias = b if not form.endswith("no_bias") else np.zeros_like(b)
         out_bias = state["out_proj.bias"] if not form.endswith("no_bias") else np.zeros(e)
-        w64 = dict(q=_f64(w[:e]), k=_f64(w[e:e + kvw]), v=_f64(w[e + kvw:]), o=_f64(state["out_proj.weight"]),
-                   bq=_f64(bias[:e]), bk=_f64(bias[e:e + kvw]), bv=_f64(bias[e + kvw:]), bo=_f64(out_bias))
+        w64 = dict(
+            q=_f64(w[:e]),
+            k=_f64(w[e : e + kvw]),
+            v=_f64(w[e + kvw :]),
+            o=_f64(state["out_proj.weight"]),
+            bq=_f64(bias[:e]),
+            bk=_f64(bias[e : e + kvw]),
+            bv=_f64(bias[e + kvw :]),
+            bo=_f64(out_bias),
+        )
         return args, w64
 
     def op_mha(self, form, group, chunk, ragged, left, unbatched, weights, layout, threads, pad_nan, seed):
@@ -392,8 +442,9 @@ class Runner(Mistakes):
         is_ragged = ragged != "no"
         chunk = self._chunk(chunk, is_ragged, limit=64)
         counts = self._counts(chunk) if is_ragged else np.full(self.batch, chunk, np.int64)
-        x = self._padded((self.batch, chunk, e), counts if is_ragged else None, chunk, left, pad_nan, self.compute,
-                         axis=1)
+        x = self._padded(
+            (self.batch, chunk, e), counts if is_ragged else None, chunk, left, pad_nan, self.compute, axis=1
+        )
         unbatched = unbatched and self.batch == 1
         query = _layout(x[0] if unbatched else x, layout)
         kwargs = {}
@@ -406,8 +457,10 @@ class Runner(Mistakes):
         if form == "layer":
             weights = "own"  # the layer's weights and biases
         args, w64 = self._weights_args(layer, "in_proj" if form == "layer" else weights)
-        self.trace(f"mha[{form}, {weights}](x {query.shape} {layout}, heads={heads}, kv_heads={self.hk}, {kwargs}) "
-                   f"lengths={self.model.lengths.tolist()}")
+        self.trace(
+            f"mha[{form}, {weights}](x {query.shape} {layout}, heads={heads}, kv_heads={self.hk}, {kwargs}) "
+            f"lengths={self.model.lengths.tolist()}"
+        )
         snap = Snapshot(query, kwargs.get("num_new"), args)
         if form == "layer":
             out = layer(query, kv_cache=self.cache, **kwargs)
@@ -431,10 +484,11 @@ class Runner(Mistakes):
         for b in range(self.batch):
             rows, pos, n = m.real_rows(b), int(before[b]), int(counts[b])
             for name, stored, model, proj in (("key", self.cache._k, m.k, kp), ("value", self.cache._v, m.v, vp)):
-                new = stored[b, :, pos:pos + n]
-                np.testing.assert_allclose(_f64(new), proj[b, :, rows], rtol=rtol, atol=atol,
-                                           err_msg=f"stored {name}s of row {b}")
-                model[b, :, pos:pos + n] = new
+                new = stored[b, :, pos : pos + n]
+                np.testing.assert_allclose(
+                    _f64(new), proj[b, :, rows], rtol=rtol, atol=atol, err_msg=f"stored {name}s of row {b}"
+                )
+                model[b, :, pos : pos + n] = new
         q64 = (x64 @ w64["q"].T + w64["bq"]).reshape(self.batch, chunk, heads, hd).transpose(0, 2, 1, 3)
         expected, q_rows, k_rows = self.model.expected_attention(q64, 1.0 / math.sqrt(hd))
         factor = _score_factor(q_rows, k_rows, 1.0 / math.sqrt(hd))
@@ -514,7 +568,7 @@ class Runner(Mistakes):
             for name, view, storage in (("keys", self.cache.keys(b), m.k), ("values", self.cache.values(b), m.v)):
                 assert isinstance(view, np.ndarray) and view.dtype == self.storage, (name, view.dtype)
                 assert not view.flags.owndata, f"{name}({b}) is a copy, not a view"
-                assert _bits(view) == _bits(storage[b, :, :int(m.lengths[b])]), f"{name}({b}) differs from the model"
+                assert _bits(view) == _bits(storage[b, :, : int(m.lengths[b])]), f"{name}({b}) differs from the model"
         if (m.lengths == m.lengths[0]).all():
             n = int(m.lengths[0])
             assert _bits(self.cache.keys()) == _bits(m.k[:, :, :n])
@@ -544,9 +598,14 @@ class Runner(Mistakes):
 def check(program: Program):
     """Runs the program against pyattn and its model; asserts the oracle (see the module docstring)."""
     c = program.config
-    tags = [f"dtype:{c['dtype']}", f"isa:{program.isa}", f"batch:{c['batch']}", f"kv_heads:{c['num_kv_heads']}",
-            f"max_len:{'<=40' if c['max_len'] <= 40 else '<=300' if c['max_len'] <= 300 else '>300'}",
-            "dims:" + ("equal" if c["head_dim"] == c["value_dim"] else "differ")]
+    tags = [
+        f"dtype:{c['dtype']}",
+        f"isa:{program.isa}",
+        f"batch:{c['batch']}",
+        f"kv_heads:{c['num_kv_heads']}",
+        f"max_len:{'<=40' if c['max_len'] <= 40 else '<=300' if c['max_len'] <= 300 else '>300'}",
+        "dims:" + ("equal" if c["head_dim"] == c["value_dim"] else "differ"),
+    ]
     previous = pyattn.get_isa()
     pyattn._core._set_isa(program.isa)
     runner = None
@@ -573,11 +632,14 @@ def coverage_report(counter=None):
 
 
 def main(argv=None):
-    runs, elapsed = fuzz_api.long_run(__doc__, 300, programs(), check, argv,
-                                      what=f"storage {STORAGE}, fuzzing the KV cache")
+    runs, elapsed = fuzz_api.long_run(
+        __doc__, 300, programs(), check, argv, what=f"storage {STORAGE}, fuzzing the KV cache"
+    )
     total, ops = COVERAGE["programs:run"], COVERAGE["programs:ops"]
-    print(f"{total} programs ({ops} operations) in {runs} runs, {elapsed:.0f} s "
-          f"({total / elapsed:.1f} programs/s), no failure. Coverage:")
+    print(
+        f"{total} programs ({ops} operations) in {runs} runs, {elapsed:.0f} s "
+        f"({total / elapsed:.1f} programs/s), no failure. Coverage:"
+    )
     print(coverage_report())
     return 0
 

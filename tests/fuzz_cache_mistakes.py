@@ -17,18 +17,52 @@ from fuzz_cache_model import MAX_EMBED, Snapshot, _cache_state
 # What programs() draws for half the programs (at most one per program); Mistakes._mistake builds it.
 MISTAKES = (
     # append
-    "append_key_dim", "append_key_batch", "append_key_heads", "append_key_ndim", "append_value_dim",
-    "append_value_chunk", "append_bad_dtype", "append_overflow", "append_overflow_ragged",
-    "append_num_new_range", "append_num_new_shape", "append_num_new_dtype", "append_bad_lengths",
+    "append_key_dim",
+    "append_key_batch",
+    "append_key_heads",
+    "append_key_ndim",
+    "append_value_dim",
+    "append_value_chunk",
+    "append_bad_dtype",
+    "append_overflow",
+    "append_overflow_ragged",
+    "append_num_new_range",
+    "append_num_new_shape",
+    "append_num_new_dtype",
+    "append_bad_lengths",
     # attend
-    "attend_head_dim", "attend_batch", "attend_heads", "attend_chunk", "attend_ndim", "attend_bad_dtype",
-    "attend_scale_nonfinite", "attend_scale_type", "attend_threads_value", "attend_threads_type",
+    "attend_head_dim",
+    "attend_batch",
+    "attend_heads",
+    "attend_chunk",
+    "attend_ndim",
+    "attend_bad_dtype",
+    "attend_scale_nonfinite",
+    "attend_scale_type",
+    "attend_threads_value",
+    "attend_threads_type",
     "attend_bad_lengths",
     # truncate / trim / views / constructor
-    "trim_negative", "truncate_negative", "trim_shape", "truncate_type", "view_row", "cache_ctor",
+    "trim_negative",
+    "truncate_negative",
+    "trim_shape",
+    "truncate_type",
+    "view_row",
+    "cache_ctor",
     # a decode step through a layer or pyattn.mha
-    "mha_embed_dim", "mha_query_dtype", "mha_cache_dtype", "mha_cache_shape", "mha_batch", "mha_need_weights",
-    "mha_mask", "mha_not_cache", "mha_overflow", "mha_num_new", "mha_threads", "mha_ndim", "mha_bad_lengths",
+    "mha_embed_dim",
+    "mha_query_dtype",
+    "mha_cache_dtype",
+    "mha_cache_shape",
+    "mha_batch",
+    "mha_need_weights",
+    "mha_mask",
+    "mha_not_cache",
+    "mha_overflow",
+    "mha_num_new",
+    "mha_threads",
+    "mha_ndim",
+    "mha_bad_lengths",
 )
 
 
@@ -102,7 +136,7 @@ class Mistakes:
             elif what == "append_bad_dtype":
                 bad = rng.choice(["int32", "int64", "complex64", "bool", "object", "uint8"])
                 which = rng.choice(["key", "value"])
-                arr = (good_k if which == "key" else good_v)
+                arr = good_k if which == "key" else good_v
                 arr = (arr > 0) if bad == "bool" else arr.astype(bad)
                 key, value = (arr, good_v) if which == "key" else (good_k, arr)
                 names, exc = (str(which),), TypeError
@@ -204,8 +238,11 @@ class Mistakes:
         form = "layer" if rng.random() < 0.6 else "function"
         group = self._group_for_layer(int(rng.integers(1, 3))) or 1
         dtype, kwargs = self.compute, {}
-        layer_names = ("query",) if form == "layer" else (
-            "query", "num_heads", "in_proj_weight", "q_proj_weight", "out_proj_weight")
+        layer_names = (
+            ("query",)
+            if form == "layer"
+            else ("query", "num_heads", "in_proj_weight", "q_proj_weight", "out_proj_weight")
+        )
         if what == "mha_cache_shape":
             if self.dv != self.d:  # the cache's KV heads and head_dim (or 1): value_dim differs
                 layer = self._layer(1, self.compute, head_dim=self.d if self.hk * self.d <= MAX_EMBED else 1)
@@ -241,8 +278,11 @@ class Mistakes:
             kwargs, names, exc = dict(need_weights=True), ("need_weights",), ValueError
         elif what == "mha_mask":
             choice = int(rng.integers(0, 3))
-            kwargs = [dict(attn_mask=np.zeros((chunk, chunk), bool)),
-                      dict(key_padding_mask=np.zeros((B, chunk), bool)), dict(key=x, value=x)][choice]
+            kwargs = [
+                dict(attn_mask=np.zeros((chunk, chunk), bool)),
+                dict(key_padding_mask=np.zeros((B, chunk), bool)),
+                dict(key=x, value=x),
+            ][choice]
             names, exc = ("kv_cache",), ValueError
         elif what == "mha_overflow":
             chunk = int(rooms.min()) + 1 + (int(rng.integers(1, 3)) if rng.random() < 0.3 else 0)
@@ -280,6 +320,7 @@ class Mistakes:
 
         def restore():
             self.cache.lengths[b] = good
+
         return restore
 
     def op_mistake(self, what, seed):
@@ -308,8 +349,7 @@ class Mistakes:
         if known:
             raise KnownIssue(known)
         if not isinstance(error, exc_type):
-            raise AssertionError(
-                f"mistake {what}: expected {exc_type}, got {type(error).__name__}: {error}") from error
+            raise AssertionError(f"mistake {what}: expected {exc_type}, got {type(error).__name__}: {error}") from error
         if not any(name in str(error) for name in names):
             raise AssertionError(f"mistake {what}: message names none of {names}: {error}") from error
         self.tag("outcome:" + type(error).__name__)

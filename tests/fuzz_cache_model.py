@@ -56,8 +56,14 @@ def _cache_state(cache):
     """Everything a call may change: lengths, every stored bit, and what the last append added
     (attend() reads it). Private attributes on purpose: 'changes nothing' includes the storage past
     each row's length and the causal state."""
-    return (_bits(cache.lengths), _bits(cache._k), _bits(cache._v), _bits(cache._last_new),
-            _bits(cache._last_first), int(cache._last_chunk))
+    return (
+        _bits(cache.lengths),
+        _bits(cache._k),
+        _bits(cache._v),
+        _bits(cache._last_new),
+        _bits(cache._last_first),
+        int(cache._last_chunk),
+    )
 
 
 class Model:
@@ -99,8 +105,10 @@ class Model:
             k = _f64(self.k[b, :, :n_keys])
             v = _f64(self.v[b, :, :n_keys])
             q = q64[b, :, rows]
-            result[b] = (rows, reference.scaled_dot_product_attention(
-                q, k, v, is_causal="lower_right", scale=scale, enable_gqa=True))
+            result[b] = (
+                rows,
+                reference.scaled_dot_product_attention(q, k, v, is_causal="lower_right", scale=scale, enable_gqa=True),
+            )
             q_rows.append(q)
             k_rows.append(k)
         return result, q_rows, k_rows

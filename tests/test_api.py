@@ -8,10 +8,11 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import make_qkv
 
 import pyattn
 import pyattn._machine
+
+from conftest import make_qkv
 
 sdpa = pyattn.scaled_dot_product_attention
 
@@ -124,7 +125,13 @@ def test_masked_arrays_are_refused(qkv, name, masked):
     # (and a masked out= entry overwritten but still hidden) without a word. Refused, like any input
     # pyattn cannot honour, even with nothing masked: the type promises what the kernels ignore.
     q, k, v = qkv
-    args = {"query": q, "key": k, "value": v, "attn_mask": np.ones((5, 7), bool), "out": np.empty((2, 4, 5, 6), np.float32)}
+    args = {
+        "query": q,
+        "key": k,
+        "value": v,
+        "attn_mask": np.ones((5, 7), bool),
+        "out": np.empty((2, 4, 5, 6), np.float32),
+    }
     plain = sdpa(q, k, v, attn_mask=args["attn_mask"])
     mask = np.zeros(args[name].shape, bool)
     if masked == "one entry":
@@ -155,7 +162,9 @@ def test_equal_dtype_objects_are_the_same_dtype(rng, source, dtype):
         expected = sdpa(q, k, v, **kwargs)
         changed = {n: same(a) if isinstance(a, np.ndarray) and a.dtype != bool else a for n, a in kwargs.items()}
         got = sdpa(same(q), same(k), same(v), **changed)
-        for g, e in zip(got if isinstance(got, tuple) else [got], expected if isinstance(expected, tuple) else [expected]):
+        for g, e in zip(
+            got if isinstance(got, tuple) else [got], expected if isinstance(expected, tuple) else [expected]
+        ):
             np.testing.assert_array_equal(g, e)
     out = same(np.empty((2, 4, 5, 6), dtype))
     assert sdpa(same(q), k, v, out=out) is out
@@ -447,7 +456,7 @@ def test_read_buffers_every_length(isa, nbytes):
     # tail (an over-read past an odd-sized buffer shows under the sanitizer build); sizes are not
     # timed, only that a rate comes back and the buffer is left as it was.
     parent = np.full(nbytes + 128, 0xAB, np.uint8)
-    buf = parent[64:64 + nbytes]
+    buf = parent[64 : 64 + nbytes]
     before = buf.copy()
     gbs = pyattn._machine.read_buffers_gbs([buf, parent[:3]], 2)
     assert np.isfinite(gbs) and gbs >= 0
@@ -562,6 +571,7 @@ def test_outputs_start_on_a_cache_line(rng):
     halves = [np.float16]
     try:
         import ml_dtypes
+
         halves.append(ml_dtypes.bfloat16)
     except ImportError:  # bfloat16 arrays need ml_dtypes (the test extra installs it)
         pass

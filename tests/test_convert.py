@@ -24,7 +24,9 @@ ALL_HALVES = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
 
 def float32_cases():
     rng = np.random.default_rng(7)
-    scaled = [rng.standard_normal(20000).astype(np.float32) * np.float32(s) for s in (1e-9, 3e-8, 1e-6, 1e-4, 1, 300, 6e4)]
+    scaled = [
+        rng.standard_normal(20000).astype(np.float32) * np.float32(s) for s in (1e-9, 3e-8, 1e-6, 1e-4, 1, 300, 6e4)
+    ]
     random_bits = rng.integers(0, 1 << 32, 100000, dtype=np.uint64).astype(np.uint32).view(np.float32)
     # Exact midpoints between neighbouring float16 values (ties: round to even) and one float32 ulp
     # either side of them.
@@ -32,8 +34,26 @@ def float32_cases():
     finite = finite[np.isfinite(finite)].astype(np.float32)
     mid = (finite.view(np.uint32) + np.uint32(1 << 12)).view(np.float32)
     below, above = np.nextafter(mid, np.float32(0)), np.nextafter(mid, np.float32(np.inf))
-    special = np.float32([0.0, -0.0, np.inf, -np.inf, np.nan, 65504, 65519.996, 65520, 65536, 1e30,
-                          2.0**-14, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-26, 1e-45])
+    special = np.float32(
+        [
+            0.0,
+            -0.0,
+            np.inf,
+            -np.inf,
+            np.nan,
+            65504,
+            65519.996,
+            65520,
+            65536,
+            1e30,
+            2.0**-14,
+            2.0**-24,
+            2.0**-25,
+            3 * 2.0**-26,
+            2.0**-26,
+            1e-45,
+        ]
+    )
     return np.concatenate(scaled + [random_bits, mid, below, above, special, -special])
 
 
@@ -72,9 +92,28 @@ def test_float_to_bfloat16_rounds_like_ml_dtypes(isa):
     # low 16 bits 0x8000) and one float32 ulp either side, subnormal and NaN patterns of both signs.
     tops = ALL_HALVES.astype(np.uint32) << np.uint32(16)
     mid = tops | np.uint32(0x8000)
-    bits = np.concatenate([mid, mid - np.uint32(1), mid + np.uint32(1), tops | np.uint32(0x7FFF),
-                           np.uint32([0x7F800001, 0xFF800001, 0x7FBFFFFF, 0x7FC00001, 0xFFFFFFFF, 0x00000001,
-                                      0x007FFFFF, 0x80008000, 0x7F7FFFFF, 0xFF7F8000])])
+    bits = np.concatenate(
+        [
+            mid,
+            mid - np.uint32(1),
+            mid + np.uint32(1),
+            tops | np.uint32(0x7FFF),
+            np.uint32(
+                [
+                    0x7F800001,
+                    0xFF800001,
+                    0x7FBFFFFF,
+                    0x7FC00001,
+                    0xFFFFFFFF,
+                    0x00000001,
+                    0x007FFFFF,
+                    0x80008000,
+                    0x7F7FFFFF,
+                    0xFF7F8000,
+                ]
+            ),
+        ]
+    )
     values = np.concatenate([float32_cases(), bits.view(np.float32)])
     narrow = np.zeros(values.size, np.uint16)
     _core._convert_half(values, narrow, 2, bfloat16=True)

@@ -5,8 +5,8 @@
 What is held against what:
 
 * decoding token by token, or prefilling in chunks (1, 3, DECODE_MAX, DECODE_MAX + 1, 17 tokens:
-  both sides of the decode kernel's q_len <= DECODE_MAX limit, 8), equals one full causal forward of the same layer, for every ISA,
-  float32 and float64 layers, multi-head, grouped-query and multi-query attention;
+  both sides of the decode kernel's q_len <= DECODE_MAX limit, 8), equals one full causal forward of
+  the same layer, for every ISA, float32 and float64 layers, multi-head, grouped-query and multi-query attention;
 * 16-bit caches (float16, bfloat16) against a float64 computation from the K/V values the cache
   actually stores (already rounded), so the only error left is float32 arithmetic;
 * ragged batches (num_new, right or left padding) against each row computed alone, with NaN in the
@@ -27,21 +27,22 @@ import itertools
 
 import numpy as np
 import pytest
-from conftest import (
-    TOL,
-    assert_close,
-    tol,
-    make_qkv,
-    nan_guarded,
-    random_array,
-    random_mask,
-)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pyattn
 from pyattn import reference
 from pyattn._tuning import PROFILES, override
+
+from conftest import (
+    TOL,
+    assert_close,
+    make_qkv,
+    nan_guarded,
+    random_array,
+    random_mask,
+    tol,
+)
 
 try:
     import ml_dtypes
@@ -114,8 +115,9 @@ def assert_compute_close(actual, expected, compute):
 
 def make_layer(rng, embed_dim, num_heads, num_kv_heads, dtype):
     """A MultiHeadAttention with random weights and non-zero biases."""
-    layer = pyattn.MultiHeadAttention(embed_dim, num_heads, num_kv_heads=num_kv_heads, dtype=dtype,
-                                      seed=int(rng.integers(1 << 30)))
+    layer = pyattn.MultiHeadAttention(
+        embed_dim, num_heads, num_kv_heads=num_kv_heads, dtype=dtype, seed=int(rng.integers(1 << 30))
+    )
     state = layer.state_dict()
     state["in_proj_bias"] = (0.5 * rng.standard_normal(state["in_proj_bias"].shape)).astype(dtype)
     state["out_proj.bias"] = (0.5 * rng.standard_normal(state["out_proj.bias"].shape)).astype(dtype)
@@ -147,7 +149,7 @@ def run_chunks(layer, x, cache, sizes, **kwargs):
     outs, t, n = [], 0, 0
     while t < x.shape[1]:
         size = sizes[n % len(sizes)]
-        outs.append(layer(x[:, t:t + size], kv_cache=cache, **kwargs))
+        outs.append(layer(x[:, t : t + size], kv_cache=cache, **kwargs))
         t, n = t + size, n + 1
     return np.concatenate(outs, axis=1)
 
@@ -196,8 +198,8 @@ def test_unbatched_and_functional_forms(rng, dtype):
     state = {k.replace(".", "_"): v for k, v in layer.state_dict().items()}
     cache_f = pyattn.KVCache(1, 2, 8, 16, dtype=dtype)
     for t in range(9):
-        out = pyattn.mha(x[None, t:t + 1], num_heads=4, num_kv_heads=2, kv_cache=cache_f, **state)
-        np.testing.assert_allclose(out[0], got[t:t + 1], rtol=TOL[dtype][0], atol=TOL[dtype][1])
+        out = pyattn.mha(x[None, t : t + 1], num_heads=4, num_kv_heads=2, kv_cache=cache_f, **state)
+        np.testing.assert_allclose(out[0], got[t : t + 1], rtol=TOL[dtype][0], atol=TOL[dtype][1])
     np.testing.assert_array_equal(cache_f.keys(0), cache.keys(0))
 
 
@@ -219,7 +221,7 @@ def test_half_cache_layer_matches_reference_of_stored_kv(isa, rng, name, num_kv_
     # The stored keys are the layer's K projection rounded to the storage dtype.
     state = layer.state_dict()
     e, kv = 64, num_kv_heads * 8
-    k_proj = (f64(x) @ f64(state["in_proj_weight"][e:e + kv]).T + f64(state["in_proj_bias"][e:e + kv]))
+    k_proj = f64(x) @ f64(state["in_proj_weight"][e : e + kv]).T + f64(state["in_proj_bias"][e : e + kv])
     k_proj = k_proj.reshape(2, 30, num_kv_heads, 8).transpose(0, 2, 1, 3)
     rtol, atol = tol(f"stored {name}")
     np.testing.assert_allclose(f64(keys), k_proj, rtol=rtol, atol=atol)
@@ -236,8 +238,8 @@ def test_half_cache_attend_equals_float32_cache_of_same_values(isa, rng, name, c
     half = pyattn.KVCache(1, hk, d, 80, dtype=name)
     full = pyattn.KVCache(1, hk, d, 80, dtype=np.float32)
     for cache in (half, full):
-        cache.append(k[:, :, :kv_len - chunk], v[:, :, :kv_len - chunk])
-        cache.append(k[:, :, kv_len - chunk:].astype(np.float32), v[:, :, kv_len - chunk:].astype(np.float32))
+        cache.append(k[:, :, : kv_len - chunk], v[:, :, : kv_len - chunk])
+        cache.append(k[:, :, kv_len - chunk :].astype(np.float32), v[:, :, kv_len - chunk :].astype(np.float32))
     np.testing.assert_array_equal(f64(half.keys()), f64(full.keys()))
     q = random_array(rng, (1, h, chunk, d), np.float32)
     got, expected = half.attend(q), full.attend(q)
@@ -280,12 +282,11 @@ def test_decode_step_matches_reference_property(isa, step):
     k = rng.standard_normal((batch, hk, total, d)).astype(storage)
     v = rng.standard_normal((batch, hk, total, dv)).astype(storage)
     if step["cached"]:
-        cache.append(k[:, :, :step["cached"]], v[:, :, :step["cached"]])
-    cache.append(k[:, :, step["cached"]:], v[:, :, step["cached"]:])
+        cache.append(k[:, :, : step["cached"]], v[:, :, : step["cached"]])
+    cache.append(k[:, :, step["cached"] :], v[:, :, step["cached"] :])
     q = random_array(rng, (batch, hk * step["group"], step["new"], d), compute)
     got = cache.attend(q)
-    expected = reference.scaled_dot_product_attention(f64(q), f64(k), f64(v), is_causal="lower_right",
-                                                      enable_gqa=True)
+    expected = reference.scaled_dot_product_attention(f64(q), f64(k), f64(v), is_causal="lower_right", enable_gqa=True)
     assert_compute_close(got, expected, compute)
 
 
@@ -337,10 +338,10 @@ def test_ragged_batch_equals_rows_alone(isa, rng, name, left_padded):
             if n == 0:
                 continue
             rows = real_rows(b, n, chunk, left_padded)
-            expected = layer(x[b:b + 1, rows], kv_cache=alone[b])
+            expected = layer(x[b : b + 1, rows], kv_cache=alone[b])
             assert np.isfinite(out[b, rows]).all()
             rtol, atol = TOL[compute.type]
-            np.testing.assert_allclose(out[b:b + 1, rows], expected, rtol=rtol, atol=atol)
+            np.testing.assert_allclose(out[b : b + 1, rows], expected, rtol=rtol, atol=atol)
     for b in range(batch):
         assert cache.keys(b).shape == (2, lengths[b], 8)
         np.testing.assert_array_equal(f64(cache.keys(b)), f64(alone[b].keys(0)))
@@ -354,8 +355,12 @@ def step_through_cache_methods(layer, x, cache, num_new, left_padded):
     batch, chunk = x.shape[:2]
     rows = x.reshape(batch * chunk, x.shape[2])
     heads = lambda y, n: y.reshape(batch, chunk, n, w.head_dim).transpose(0, 2, 1, 3)  # noqa: E731
-    cache.append(heads(w.linear(rows, "k", 0), w.num_kv_heads), heads(w.linear(rows, "v", 0), w.num_kv_heads),
-                 num_new=num_new, left_padded=left_padded)
+    cache.append(
+        heads(w.linear(rows, "k", 0), w.num_kv_heads),
+        heads(w.linear(rows, "v", 0), w.num_kv_heads),
+        num_new=num_new,
+        left_padded=left_padded,
+    )
     context = cache.attend(heads(w.linear(rows, "q", 0), w.num_heads))
     context = np.ascontiguousarray(context.transpose(0, 2, 1, 3)).reshape(batch * chunk, w.embed_dim)
     return w.linear(context, "o", 0).reshape(batch, chunk, w.embed_dim)
@@ -401,8 +406,9 @@ def test_layer_step_binding_checks(rng):
     dims = [1, 1, 16, 2, 2, 8]
 
     def call(k=cache._k_core, v=cache._v_core, storage=0, before=(0,), after=(1,), dims=dims, x=x):
-        pyattn._core.mha_cached(x, weights, dims, k, v, storage, np.array(before, np.int64),
-                                np.array(after, np.int64), False, out, 1)
+        pyattn._core.mha_cached(
+            x, weights, dims, k, v, storage, np.array(before, np.int64), np.array(after, np.int64), False, out, 1
+        )
 
     call()  # valid
     for bad, match in [
@@ -443,7 +449,7 @@ def test_long_ragged_cache_attend(isa, rng, name, chunk, left_padded):
     cache = pyattn.KVCache(batch, hk, d, 3010, value_dim=dv, dtype=name)
     k_all = rng.standard_normal((batch, hk, int(total.max()), d)).astype(storage)
     v_all = rng.standard_normal((batch, hk, int(total.max()), dv)).astype(storage)
-    cache.append(k_all[:, :, :int(before.max())], v_all[:, :, :int(before.max())], num_new=before)
+    cache.append(k_all[:, :, : int(before.max())], v_all[:, :, : int(before.max())], num_new=before)
     # NaN written past every row's end, then trimmed away: the storage keeps the NaNs.
     cache.append(np.full((batch, hk, 4, d), np.nan), np.full((batch, hk, 4, dv), np.nan))
     cache.trim(4)
@@ -452,8 +458,8 @@ def test_long_ragged_cache_attend(isa, rng, name, chunk, left_padded):
     new_v = np.full((batch, hk, chunk, dv), np.nan, storage)
     for b in range(batch):
         rows = real_rows(b, num_new[b], chunk, left_padded)
-        new_k[b, :, rows] = k_all[b, :, before[b]:total[b]]
-        new_v[b, :, rows] = v_all[b, :, before[b]:total[b]]
+        new_k[b, :, rows] = k_all[b, :, before[b] : total[b]]
+        new_v[b, :, rows] = v_all[b, :, before[b] : total[b]]
     cache.append(new_k, new_v, num_new=num_new, left_padded=left_padded)
     assert cache.lengths.tolist() == total.tolist()
     q = nan_guarded(np.full((batch, h, chunk, d), np.nan, compute))
@@ -466,11 +472,12 @@ def test_long_ragged_cache_attend(isa, rng, name, chunk, left_padded):
         if num_new[b] == 0:
             continue
         rows = real_rows(b, num_new[b], chunk, left_padded)
-        k_b, v_b = k_all[b, :, :total[b]], v_all[b, :, :total[b]]
+        k_b, v_b = k_all[b, :, : total[b]], v_all[b, :, : total[b]]
         np.testing.assert_array_equal(f64(cache.keys(b)), f64(k_b))
         np.testing.assert_array_equal(f64(cache.values(b)), f64(v_b))
         ref = reference.scaled_dot_product_attention(
-            f64(q[b, :, rows]), f64(k_b), f64(v_b), is_causal="lower_right", enable_gqa=True, scale=0.3)
+            f64(q[b, :, rows]), f64(k_b), f64(v_b), is_causal="lower_right", enable_gqa=True, scale=0.3
+        )
         assert_compute_close(got[b, :, rows], ref, compute)
 
 
@@ -483,8 +490,9 @@ def test_decode_many_query_rows_per_kv_head(isa, rng, name):
         q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=heads, kv_heads=1, q_len=q_len, kv_len=600, head_dim=24)
         mask = rng.random((2, heads, q_len, 600)) < 0.7
         got = sdpa(q, k, v, mask, is_causal="lower_right", enable_gqa=True)
-        expected = reference.scaled_dot_product_attention(f64(q), f64(k), f64(v), mask, is_causal="lower_right",
-                                                          enable_gqa=True)
+        expected = reference.scaled_dot_product_attention(
+            f64(q), f64(k), f64(v), mask, is_causal="lower_right", enable_gqa=True
+        )
         assert_result_close(got, expected, name)
 
 
@@ -500,11 +508,13 @@ def test_decode_group_sizes_and_head_dims(isa, rng, name, head_dim):
     on AVX2 takes P.V's step of two vectors)."""
     dtype = np_dtype(name)
     for group, q_len in ((1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (8, 1), (3, 2), (4, 2)):
-        q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=2 * group, kv_heads=2, q_len=q_len, kv_len=205,
-                           head_dim=head_dim)
+        q, k, v = make_qkv(
+            rng, dtype, batch=(2,), q_heads=2 * group, kv_heads=2, q_len=q_len, kv_len=205, head_dim=head_dim
+        )
         got = sdpa(q, k, v, is_causal="lower_right", enable_gqa=True)
-        expected = reference.scaled_dot_product_attention(f64(q), f64(k), f64(v), is_causal="lower_right",
-                                                          enable_gqa=True)
+        expected = reference.scaled_dot_product_attention(
+            f64(q), f64(k), f64(v), is_causal="lower_right", enable_gqa=True
+        )
         assert_result_close(got, expected, name)
 
 
@@ -599,14 +609,18 @@ def test_cache_bfloat16_by_name_and_invalid_dtypes():
 def test_cache_constructor_errors(kwargs, name):
     args = dict(dict(batch=1, num_kv_heads=2, head_dim=4, max_len=8, value_dim=None), **kwargs)
     with pytest.raises(ValueError, match=name):
-        pyattn.KVCache(args["batch"], args["num_kv_heads"], args["head_dim"], args["max_len"],
-                       value_dim=args["value_dim"])
+        pyattn.KVCache(
+            args["batch"], args["num_kv_heads"], args["head_dim"], args["max_len"], value_dim=args["value_dim"]
+        )
 
 
 def snapshot(cache):
     """Everything observable about a cache, for 'left unchanged' checks."""
-    return (cache.lengths.copy(),) + tuple(f64(cache.keys(b)).copy() for b in range(cache.batch)) + tuple(
-        f64(cache.values(b)).copy() for b in range(cache.batch))
+    return (
+        (cache.lengths.copy(),)
+        + tuple(f64(cache.keys(b)).copy() for b in range(cache.batch))
+        + tuple(f64(cache.values(b)).copy() for b in range(cache.batch))
+    )
 
 
 def assert_unchanged(cache, before):
@@ -707,32 +721,52 @@ def test_truncate_keeps_the_chunk_queries_positions(isa, rng, left):
     for b, n_old in enumerate([4, 3]):
         first = 4 - n_old if left else 0
         rows = slice(first, first + 2)
-        np.testing.assert_allclose(out[b][:, rows], before[b][:, rows], rtol=TOL[np.float32][0], atol=TOL[np.float32][1])
+        np.testing.assert_allclose(
+            out[b][:, rows], before[b][:, rows], rtol=TOL[np.float32][0], atol=TOL[np.float32][1]
+        )
 
 
-@pytest.mark.parametrize("call, name, exc", [
-    (lambda c: c.trim(np.zeros(3, np.int64)), "count", ValueError),
-    (lambda c: c.trim(1.5), "count", TypeError),
-    (lambda c: c.truncate(None), "length", TypeError),
-    (lambda c: c.truncate("abc"), "length", TypeError),
-    (lambda c: c.truncate(2.7), "length", TypeError),
-    (lambda c: c.truncate(True), "length", TypeError),
-    (lambda c: c.keys(2), "row", ValueError),
-    (lambda c: c.values(-3), "row", ValueError),
-    (lambda c: c.keys(1.0), "row", TypeError),
-    (lambda c: c.attend(np.zeros((2, 2, 1, 4), np.float32), scale="0.5"), "scale", TypeError),
-    (lambda c: c.attend(np.zeros((2, 2, 1, 4), np.float32), scale=True), "scale", TypeError),
-    (lambda c: c.attend(np.zeros((2, 2, 1, 4), np.float32), scale=1j), "scale", TypeError),
-    (lambda c: c.append(np.ma.zeros((2, 1, 1, 4), np.float32), np.zeros((2, 1, 1, 4), np.float32)), "key", TypeError),
-    (lambda c: c.append(np.zeros((2, 1, 1, 4), np.float32), np.ma.zeros((2, 1, 1, 4), np.float32)), "value", TypeError),
-    (lambda c: c.append(np.zeros((2, 1, 2, 4), np.float32), np.zeros((2, 1, 2, 4), np.float32),
-                        num_new=np.ma.masked_array([2, 1], mask=[False, True])), "num_new", TypeError),
-    (lambda c: c.attend(np.ma.zeros((2, 2, 1, 4), np.float32)), "query", TypeError),
-    (lambda c: c.truncate(np.ma.masked_array([0, 1], mask=[True, False])), "length", TypeError),
-    (lambda c: c.trim(np.ma.masked_array([1, 0], mask=[True, False])), "count", TypeError),
-    (lambda c: pyattn.KVCache(1, 1, 4, 8, dtype="float8"), "dtype", TypeError),
-    (lambda c: pyattn.KVCache(1, 1, 4, 8, dtype=None), "dtype", TypeError),
-])
+@pytest.mark.parametrize(
+    "call, name, exc",
+    [
+        (lambda c: c.trim(np.zeros(3, np.int64)), "count", ValueError),
+        (lambda c: c.trim(1.5), "count", TypeError),
+        (lambda c: c.truncate(None), "length", TypeError),
+        (lambda c: c.truncate("abc"), "length", TypeError),
+        (lambda c: c.truncate(2.7), "length", TypeError),
+        (lambda c: c.truncate(True), "length", TypeError),
+        (lambda c: c.keys(2), "row", ValueError),
+        (lambda c: c.values(-3), "row", ValueError),
+        (lambda c: c.keys(1.0), "row", TypeError),
+        (lambda c: c.attend(np.zeros((2, 2, 1, 4), np.float32), scale="0.5"), "scale", TypeError),
+        (lambda c: c.attend(np.zeros((2, 2, 1, 4), np.float32), scale=True), "scale", TypeError),
+        (lambda c: c.attend(np.zeros((2, 2, 1, 4), np.float32), scale=1j), "scale", TypeError),
+        (
+            lambda c: c.append(np.ma.zeros((2, 1, 1, 4), np.float32), np.zeros((2, 1, 1, 4), np.float32)),
+            "key",
+            TypeError,
+        ),
+        (
+            lambda c: c.append(np.zeros((2, 1, 1, 4), np.float32), np.ma.zeros((2, 1, 1, 4), np.float32)),
+            "value",
+            TypeError,
+        ),
+        (
+            lambda c: c.append(
+                np.zeros((2, 1, 2, 4), np.float32),
+                np.zeros((2, 1, 2, 4), np.float32),
+                num_new=np.ma.masked_array([2, 1], mask=[False, True]),
+            ),
+            "num_new",
+            TypeError,
+        ),
+        (lambda c: c.attend(np.ma.zeros((2, 2, 1, 4), np.float32)), "query", TypeError),
+        (lambda c: c.truncate(np.ma.masked_array([0, 1], mask=[True, False])), "length", TypeError),
+        (lambda c: c.trim(np.ma.masked_array([1, 0], mask=[True, False])), "count", TypeError),
+        (lambda c: pyattn.KVCache(1, 1, 4, 8, dtype="float8"), "dtype", TypeError),
+        (lambda c: pyattn.KVCache(1, 1, 4, 8, dtype=None), "dtype", TypeError),
+    ],
+)
 def test_cache_arguments_named_in_errors(rng, call, name, exc):
     """Bad arguments to the cache's methods raise the error policy's ValueError/TypeError naming the
     argument, and change nothing (found by tests/fuzz_cache.py)."""
@@ -809,7 +843,11 @@ def test_lengths_replaced_by_other_arrays(rng, batch):
     for replacement in (np.full(batch, 3.0), np.full(batch, 3.7), np.full((batch, 1), 3), np.full(batch + 1, 3), "3"):
         cache = _copy_cache(reference)
         cache.lengths = replacement
-        for call in (lambda: layer(x, kv_cache=cache), lambda: cache.truncate(2), lambda: cache.keys(0)):
+        for call in (
+            lambda cache=cache: layer(x, kv_cache=cache),
+            lambda cache=cache: cache.truncate(2),
+            lambda cache=cache: cache.keys(0),
+        ):
             with pytest.raises(ValueError, match="lengths"):
                 call()
     # A masked array's data would be used as the lengths, its mask dropped: refused by every method.
@@ -856,8 +894,9 @@ def test_caches_pickle_and_deepcopy(rng, storage, copy_kind):
 
 
 def _copy_cache(cache):
-    copy = pyattn.KVCache(cache.batch, cache.num_kv_heads, cache.head_dim, cache.max_len, value_dim=cache.value_dim,
-                          dtype=cache.dtype)
+    copy = pyattn.KVCache(
+        cache.batch, cache.num_kv_heads, cache.head_dim, cache.max_len, value_dim=cache.value_dim, dtype=cache.dtype
+    )
     copy._k[...], copy._v[...] = cache._k, cache._v
     copy.lengths = cache.lengths.copy()
     return copy
@@ -930,8 +969,9 @@ def test_attend_errors(rng):
             cache.attend(query)
     with pytest.raises(ValueError, match="scale"):
         cache.attend(q, scale=float("inf"))
-    ref = reference.scaled_dot_product_attention(f64(q), f64(cache.keys()), f64(cache.values()),
-                                                 is_causal="lower_right", enable_gqa=True)
+    ref = reference.scaled_dot_product_attention(
+        f64(q), f64(cache.keys()), f64(cache.values()), is_causal="lower_right", enable_gqa=True
+    )
     assert_close(cache.attend(q.astype(np.float64)), ref, np.float32)  # query converted to the compute dtype
 
 
@@ -1001,8 +1041,9 @@ def test_half_sdpa_matches_reference(isa, rng, name, q_len, case):
     dtype = np_dtype(name)
     opts = HALF_CASES[case]
     kv_heads = 2 if opts.get("gqa") else 4
-    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=4, kv_heads=kv_heads, q_len=q_len, kv_len=37, head_dim=24,
-                       value_dim=19)
+    q, k, v = make_qkv(
+        rng, dtype, batch=(2,), q_heads=4, kv_heads=kv_heads, q_len=q_len, kv_len=37, head_dim=24, value_dim=19
+    )
     mask = None
     if opts.get("mask"):
         mask = random_mask(rng, (2, 1, q_len, 37), opts["mask"], dtype)
@@ -1047,8 +1088,9 @@ def test_half_sdpa_head_dims(isa, rng, name, head_dim):
 def test_half_sdpa_out_weights_and_dtype_errors(rng, name, q_len):
     dtype = np_dtype(name)
     q, k, v = make_qkv(rng, dtype, q_heads=3, q_len=q_len, kv_len=11, head_dim=8, guard=False)
-    expected = reference.scaled_dot_product_attention(f64(q), f64(k), f64(v), is_causal="lower_right",
-                                                      return_weights=True)
+    expected = reference.scaled_dot_product_attention(
+        f64(q), f64(k), f64(v), is_causal="lower_right", return_weights=True
+    )
     plain = sdpa(q, k, v, is_causal="lower_right")
     out = np.full((3, q_len, 8), np.nan, dtype)
     got = sdpa(q, k, v, is_causal="lower_right", out=out)
@@ -1060,8 +1102,9 @@ def test_half_sdpa_out_weights_and_dtype_errors(rng, name, q_len):
     assert_half_close(got, expected[0], name)
     assert_half_close(weights, expected[1], name)
     # 2-D inputs: one head.
-    assert_half_close(sdpa(q[0], k[0], v[0]), reference.scaled_dot_product_attention(f64(q[0]), f64(k[0]), f64(v[0])),
-                      name)
+    assert_half_close(
+        sdpa(q[0], k[0], v[0]), reference.scaled_dot_product_attention(f64(q[0]), f64(k[0]), f64(v[0])), name
+    )
 
     with pytest.raises(TypeError, match="out"):
         sdpa(q, k, v, out=np.empty((3, q_len, 8), np.float32))
@@ -1081,18 +1124,28 @@ def test_half_sdpa_out_weights_and_dtype_errors(rng, name, q_len):
 # --- the decode path's key-range split, forbidden NaN keys, threads --------------------------------
 
 
-def long_kv_inputs(rng, dtype, q_len, kv_len=3000, heads=4, kv_heads=2, head_dim=32, batch=1, hole=(300, 1400),
-                   per_head=True):
+def long_kv_inputs(
+    rng, dtype, q_len, kv_len=3000, heads=4, kv_heads=2, head_dim=32, batch=1, hole=(300, 1400), per_head=True
+):
     """Inputs for the split decode path (by default 2 (batch, kv head) tasks and 3000 keys, i.e. 12
     key chunks merged per task). The bool mask (True = attend) forbids some keys for every query
     (their K and V rows are NaN), a run of keys (hole; by default whole key chunks), and random other
     (query, key) pairs; per_head: a mask per head, forbidding every key of head 1 (whose rows must be
     zeros), else one broadcast over the heads. Returns q, k, v, mask and NaN-free float64 K/V for
     the reference (zeros at the NaN rows, which no query may see)."""
-    q, k, v = make_qkv(rng, dtype, batch=(batch,), q_heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
-                       head_dim=head_dim, guard=False)
+    q, k, v = make_qkv(
+        rng,
+        dtype,
+        batch=(batch,),
+        q_heads=heads,
+        kv_heads=kv_heads,
+        q_len=q_len,
+        kv_len=kv_len,
+        head_dim=head_dim,
+        guard=False,
+    )
     key_ok = rng.random(kv_len) < 0.8
-    key_ok[hole[0]:hole[1]] = False
+    key_ok[hole[0] : hole[1]] = False
     mask = key_ok & (rng.random((batch, heads if per_head else 1, q_len, kv_len)) < 0.9)
     if per_head:
         mask[:, 1] = False
@@ -1116,8 +1169,9 @@ def test_decode_long_kv_split_and_nan_forbidden_keys(isa, rng, name, q_len, grou
     assert got.dtype == dtype
     assert np.isfinite(f64(got)).all()
     np.testing.assert_array_equal(f64(got[:, 1]), 0.0)
-    expected = reference.scaled_dot_product_attention(f64(q), clean_k, clean_v, mask, is_causal="lower_right",
-                                                      enable_gqa=True)
+    expected = reference.scaled_dot_product_attention(
+        f64(q), clean_k, clean_v, mask, is_causal="lower_right", enable_gqa=True
+    )
     assert_result_close(got, expected, name)
 
 
@@ -1172,8 +1226,12 @@ def assert_cache_step_close(got, cache, q, new, name):
     for b in range(len(new)):
         rows = slice(0, new[b])  # right padding: row b's real queries come first
         expected = reference.scaled_dot_product_attention(
-            f64(q[b : b + 1, :, rows]), f64(cache.keys(b))[None], f64(cache.values(b))[None],
-            is_causal="lower_right", enable_gqa=True)
+            f64(q[b : b + 1, :, rows]),
+            f64(cache.keys(b))[None],
+            f64(cache.values(b))[None],
+            is_causal="lower_right",
+            enable_gqa=True,
+        )
         assert_close(got[b : b + 1, :, rows], expected, compute_dtype(name).type)  # the stored values, exactly
 
 
@@ -1220,8 +1278,9 @@ def test_decode_prefetch_changes_nothing(isa, rng, name, head_dim, q_heads, kv_h
             off = sdpa(q2, k2, v2, mask, is_causal="lower_right", enable_gqa=True)
         np.testing.assert_array_equal(f64(on), f64(off))
     assert np.isfinite(f64(on)).all()
-    expected = reference.scaled_dot_product_attention(f64(q2), clean_k, clean_v, mask, is_causal="lower_right",
-                                                      enable_gqa=True)
+    expected = reference.scaled_dot_product_attention(
+        f64(q2), clean_k, clean_v, mask, is_causal="lower_right", enable_gqa=True
+    )
     assert_result_close(on, expected, name)
 
 
@@ -1276,8 +1335,17 @@ def test_decode_poisoned_forbidden_rows_change_no_bits(isa, rng, name, q_len, he
     result is the reference's (the +Inf column exactly)."""
     dtype = np_dtype(name)
     kv_len = 700
-    q, k, v = make_qkv(rng, dtype, batch=(1,), q_heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
-                       head_dim=head_dim, guard=False)
+    q, k, v = make_qkv(
+        rng,
+        dtype,
+        batch=(1,),
+        q_heads=heads,
+        kv_heads=kv_heads,
+        q_len=q_len,
+        kv_len=kv_len,
+        head_dim=head_dim,
+        guard=False,
+    )
     allowed = rng.random(kv_len) >= 0.15
     allowed[:5] = allowed[-5:] = True
     mask = allowed.reshape(1, 1, 1, kv_len)  # the same keys forbidden for every row: a column mask
@@ -1296,14 +1364,15 @@ def test_decode_poisoned_forbidden_rows_change_no_bits(isa, rng, name, q_len, he
             clean = sdpa(q, clean_k, clean_v, mask, is_causal="lower_right", enable_gqa=True, num_threads=2)
             poisoned = sdpa(q, bad_k, bad_v, mask, is_causal="lower_right", enable_gqa=True, num_threads=2)
         np.testing.assert_array_equal(f64(poisoned), f64(clean))
-        expected = reference.scaled_dot_product_attention(f64(q), f64(clean_k), f64(clean_v), mask,
-                                                          is_causal="lower_right", enable_gqa=True)
+        expected = reference.scaled_dot_product_attention(
+            f64(q), f64(clean_k), f64(clean_v), mask, is_causal="lower_right", enable_gqa=True
+        )
         finite = np.isfinite(expected)
         if inf_row is None:
             assert finite.all()
         else:  # +Inf in V row inf_row, column 3 of K/V head 1: query heads of that group, column 3
             group = heads // kv_heads
-            assert not finite[0, group:2 * group, :, 3].any() and finite.sum() == finite.size - group * q_len
+            assert not finite[0, group : 2 * group, :, 3].any() and finite.sum() == finite.size - group * q_len
             np.testing.assert_array_equal(f64(clean)[~finite], expected[~finite])
         assert_result_close(np.where(finite, clean, 0).astype(dtype), np.where(finite, expected, 0), name)
 
@@ -1333,13 +1402,24 @@ def test_decode_streams_same_keys_in_another_order(isa, rng, name, streams, head
         got = cache.attend(q, num_threads=2)
     assert_cache_step_close(got, cache, q, new, name)
 
-    q2, k2, v2, mask, clean_k, clean_v = long_kv_inputs(rng, dtype, 2, kv_len=1100, heads=q_heads, kv_heads=kv_heads,
-                                                        head_dim=head_dim, batch=batch, hole=(600, 700), per_head=False)
+    q2, k2, v2, mask, clean_k, clean_v = long_kv_inputs(
+        rng,
+        dtype,
+        2,
+        kv_len=1100,
+        heads=q_heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        batch=batch,
+        hole=(600, 700),
+        per_head=False,
+    )
     with decode_streams(streams):
         got = sdpa(q2, k2, v2, mask, is_causal="lower_right", enable_gqa=True)
     assert np.isfinite(f64(got)).all()
-    expected = reference.scaled_dot_product_attention(f64(q2), clean_k, clean_v, mask, is_causal="lower_right",
-                                                      enable_gqa=True)
+    expected = reference.scaled_dot_product_attention(
+        f64(q2), clean_k, clean_v, mask, is_causal="lower_right", enable_gqa=True
+    )
     assert_result_close(got, expected, name)
 
 
@@ -1371,13 +1451,15 @@ def test_decode_16_bit_blocks_of_32_or_64_keys(isa, rng, name, keys, streams, he
             other = cache.attend(q, num_threads=2)
         assert not np.array_equal(f64(got)[0], f64(other)[0]), "blocks of 32 and 64 keys agree bit for bit"
 
-    q2, k2, v2, mask, clean_k, clean_v = long_kv_inputs(rng, np_dtype(name), q_len, kv_len=1600, heads=q_heads,
-                                                        kv_heads=kv_heads, head_dim=head_dim)
+    q2, k2, v2, mask, clean_k, clean_v = long_kv_inputs(
+        rng, np_dtype(name), q_len, kv_len=1600, heads=q_heads, kv_heads=kv_heads, head_dim=head_dim
+    )
     with decode_block16(keys), decode_streams(streams):
         got = sdpa(q2, k2, v2, mask, is_causal="lower_right", enable_gqa=True)
     assert np.isfinite(f64(got)).all()
-    expected = reference.scaled_dot_product_attention(f64(q2), clean_k, clean_v, mask, is_causal="lower_right",
-                                                      enable_gqa=True)
+    expected = reference.scaled_dot_product_attention(
+        f64(q2), clean_k, clean_v, mask, is_causal="lower_right", enable_gqa=True
+    )
     assert_result_close(got, expected, name)
 
 
@@ -1486,7 +1568,8 @@ def test_mask_padding_k_v_rows_are_never_read(isa):
         pytest.skip("needs mprotect through ctypes (Linux)")
     done = subprocess.run([sys.executable, "-c", PADDING_CHILD, isa], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", (
-        f"return code {done.returncode} (-11: a padded K/V row was read)\n{done.stdout}\n{done.stderr[-3000:]}")
+        f"return code {done.returncode} (-11: a padded K/V row was read)\n{done.stdout}\n{done.stderr[-3000:]}"
+    )
 
 
 @pytest.mark.parametrize("name", CACHE_DTYPES)
@@ -1555,8 +1638,12 @@ def test_cache_attend_follows_every_change_of_lengths(rng):
     cache.truncate(20)
     cache.append(keys[:, :, 20:21], values[:, :, 20:21])  # row 1 goes on from 17: keys 0..16 and key 20
     out = cache.attend(q)
-    expected = sdpa(q[1], np.concatenate([keys[1, :, :17], keys[1, :, 20:21]], axis=1),
-                    np.concatenate([values[1, :, :17], values[1, :, 20:21]], axis=1), enable_gqa=True)
+    expected = sdpa(
+        q[1],
+        np.concatenate([keys[1, :, :17], keys[1, :, 20:21]], axis=1),
+        np.concatenate([values[1, :, :17], values[1, :, 20:21]], axis=1),
+        enable_gqa=True,
+    )
     np.testing.assert_array_equal(out[1], expected)
     cache.reset()
     cache.append(keys[:, :, :1], values[:, :, :1])
@@ -1591,15 +1678,17 @@ def test_lengths_out_of_range_raise_before_any_write(rng):
 def test_half_sdpa_layouts_and_broadcast(isa, rng, name, q_len):
     """16-bit K/V read through strides: (B, S, H, E) views, and K/V broadcast over the batch (stride 0)."""
     dtype = np_dtype(name)
-    q, k, v = make_qkv(rng, dtype, batch=(3,), q_heads=4, kv_heads=2, q_len=q_len, kv_len=50, head_dim=16,
-                       layout="bshd")
+    q, k, v = make_qkv(
+        rng, dtype, batch=(3,), q_heads=4, kv_heads=2, q_len=q_len, kv_len=50, head_dim=16, layout="bshd"
+    )
     expected = reference.scaled_dot_product_attention(f64(q), f64(k), f64(v), enable_gqa=True)
     assert_half_close(sdpa(q, k, v, enable_gqa=True), expected, name)
     k1, v1 = k[:1], v[:1]
     expected = reference.scaled_dot_product_attention(f64(q), f64(k1), f64(v1), enable_gqa=True)
     assert_half_close(sdpa(q, k1, v1, enable_gqa=True), expected, name)
-    assert_half_close(sdpa(q, np.broadcast_to(k1, k.shape), np.broadcast_to(v1, v.shape), enable_gqa=True),
-                      expected, name)
+    assert_half_close(
+        sdpa(q, np.broadcast_to(k1, k.shape), np.broadcast_to(v1, v.shape), enable_gqa=True), expected, name
+    )
 
 
 @pytest.mark.parametrize("name", HALF_NAMES)
@@ -1614,8 +1703,9 @@ def test_half_sdpa_edges(rng, name):
         assert_half_close(got, expected, name)
         np.testing.assert_array_equal(f64(got[:, : q_len - 2]), 0.0)
     for q_len, kv_len, head_dim, value_dim in ((0, 5, 8, 8), (3, 0, 8, 8), (3, 5, 8, 0), (2, 5, 0, 4)):
-        q, k, v = make_qkv(rng, dtype, q_heads=2, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
-                           value_dim=value_dim, guard=False)
+        q, k, v = make_qkv(
+            rng, dtype, q_heads=2, q_len=q_len, kv_len=kv_len, head_dim=head_dim, value_dim=value_dim, guard=False
+        )
         got = sdpa(q, k, v)
         assert got.dtype == dtype and got.shape == (2, q_len, value_dim)
         expected = reference.scaled_dot_product_attention(f64(q), f64(k), f64(v))
@@ -1651,8 +1741,17 @@ def test_group_tiles_bitwise_equal_to_head_by_head(isa, rng, name, case, threads
     (head by head, which would hide a wrong row offset: hence also finite padded keys)."""
     dtype = np_dtype(name)
     q_heads, kv_heads, q_len, kv_len, opts = GROUP_CASES[case]
-    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=q_heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
-                       head_dim=24, value_dim=opts.get("value_dim"))
+    q, k, v = make_qkv(
+        rng,
+        dtype,
+        batch=(2,),
+        q_heads=q_heads,
+        kv_heads=kv_heads,
+        q_len=q_len,
+        kv_len=kv_len,
+        head_dim=24,
+        value_dim=opts.get("value_dim"),
+    )
     mask, clean_k, clean_v = None, f64(k), f64(v)
     if "mask" in opts:
         mask = random_mask(rng, (2, q_heads, q_len, kv_len), opts["mask"], dtype)
@@ -1687,10 +1786,14 @@ def test_group_tiles_ragged_cache(isa, rng, name):
     storage = np_dtype(name)  # first: skips bfloat16 without ml_dtypes
     cache = pyattn.KVCache(3, 2, 16, 300, dtype=name)
     lengths = np.array([200, 37, 5])
-    cache.append(rng.standard_normal((3, 2, 200, 16)).astype(storage),
-                 rng.standard_normal((3, 2, 200, 16)).astype(storage), num_new=lengths)
-    cache.append(rng.standard_normal((3, 2, 12, 16)).astype(storage),
-                 rng.standard_normal((3, 2, 12, 16)).astype(storage))
+    cache.append(
+        rng.standard_normal((3, 2, 200, 16)).astype(storage),
+        rng.standard_normal((3, 2, 200, 16)).astype(storage),
+        num_new=lengths,
+    )
+    cache.append(
+        rng.standard_normal((3, 2, 12, 16)).astype(storage), rng.standard_normal((3, 2, 12, 16)).astype(storage)
+    )
     q = rng.standard_normal((3, 8, 12, 16)).astype(np.float32)
     with group_tiles(1):
         together = cache.attend(q)
@@ -1698,6 +1801,7 @@ def test_group_tiles_ragged_cache(isa, rng, name):
         alone = cache.attend(q)
     np.testing.assert_array_equal(together, alone)
     for b in range(3):
-        ref = reference.scaled_dot_product_attention(f64(q[b]), f64(cache.keys(b)), f64(cache.values(b)),
-                                                     is_causal="lower_right", enable_gqa=True)
+        ref = reference.scaled_dot_product_attention(
+            f64(q[b]), f64(cache.keys(b)), f64(cache.values(b)), is_causal="lower_right", enable_gqa=True
+        )
         assert_compute_close(together[b], ref, np.dtype(np.float32))

@@ -9,12 +9,13 @@ import unicodedata
 
 import numpy as np
 import pytest
-from conftest import tol
 
 import pyattn
 from pyattn import reference
 from pyattn._explain import explain, render_text
 from pyattn._explain_render import format_table
+
+from conftest import tol
 
 F64 = dict(zip(("rtol", "atol"), tol(np.float64)))  # explain computes in float64
 
@@ -191,10 +192,12 @@ def test_masked_arrays_are_refused(rng):
     x = rng.standard_normal((2, 4, 8))
     some = np.zeros((2, 4), bool)
     some[0, -1] = True
-    for name, kwargs in [("x", {"x": np.ma.masked_array(x, mask=np.zeros(x.shape, bool))}),
-                         ("out_proj.weight", {"layer_or_weights": {**w, "out_proj.weight": np.ma.masked_array(w["out_proj.weight"])}}),
-                         ("attn_mask", {"attn_mask": np.ma.masked_array(np.zeros((4, 4), bool))}),
-                         ("key_padding_mask", {"key_padding_mask": np.ma.masked_array(np.zeros((2, 4), bool), mask=some)})]:
+    for name, kwargs in [
+        ("x", {"x": np.ma.masked_array(x, mask=np.zeros(x.shape, bool))}),
+        ("out_proj.weight", {"layer_or_weights": {**w, "out_proj.weight": np.ma.masked_array(w["out_proj.weight"])}}),
+        ("attn_mask", {"attn_mask": np.ma.masked_array(np.zeros((4, 4), bool))}),
+        ("key_padding_mask", {"key_padding_mask": np.ma.masked_array(np.zeros((2, 4), bool), mask=some)}),
+    ]:
         args = {"x": x, "layer_or_weights": w, **kwargs}
         with pytest.raises(TypeError, match=rf"^{name}: masked arrays"):
             explain(args.pop("x"), args.pop("layer_or_weights"), **args)

@@ -14,10 +14,11 @@ well under a minute; PYATTN_FUZZ_EXAMPLES and PYATTN_FUZZ_CACHE_EXAMPLES overrid
 
 import os
 
-import fuzz_cache
 import numpy as np
-from fuzz_api import _score_factor, cases, check, largest_finite_norm
 from hypothesis import HealthCheck, given, settings
+
+import fuzz_cache
+from fuzz_api import _score_factor, cases, check, largest_finite_norm
 
 EXAMPLES = int(os.environ.get("PYATTN_FUZZ_EXAMPLES", "600"))
 # Programs (a cache and 1-13 operations on it, ~6 on average): ~16 s on the 2-core dev machine.

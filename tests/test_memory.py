@@ -10,9 +10,10 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import make_qkv, random_mask
 
 import pyattn
+
+from conftest import make_qkv, random_mask
 
 sdpa = pyattn.scaled_dot_product_attention
 CALLS = 300
@@ -65,7 +66,7 @@ def _calls(rng):
             cache.append(k2, v2)
             cache.attend(q)
             for i in range(4):
-                cache.append(k2[:, :, i:i + 1], v2[:, :, i:i + 1])
+                cache.append(k2[:, :, i : i + 1], v2[:, :, i : i + 1])
                 cache.attend(step_q)
 
         calls.append(decode)

@@ -15,11 +15,12 @@ import itertools
 
 import numpy as np
 import pytest
-from conftest import TOL, assert_close, nan_guarded, random_array, random_mask
 
 import pyattn
 import pyattn._tuning
 from pyattn import reference
+
+from conftest import TOL, assert_close, nan_guarded, random_array, random_mask
 
 WEIGHT_NAMES = (
     "in_proj_weight",
@@ -331,9 +332,10 @@ def test_batch_first_false_is_the_transposed_layout(isa, dtype, rng):
     assert second[0].shape == t(first[0]).shape and second[1].shape == first[1].shape
     np.testing.assert_array_equal(second[0], t(first[0]))
     np.testing.assert_array_equal(second[1], first[1])
-    np.testing.assert_array_equal(mha(query[0], key[0], value[0], batch_first=False, **{
-        n: a for n, a in kwargs.items() if "mask" not in n}), mha(query[0], key[0], value[0], **{
-            n: a for n, a in kwargs.items() if "mask" not in n}))
+    np.testing.assert_array_equal(
+        mha(query[0], key[0], value[0], batch_first=False, **{n: a for n, a in kwargs.items() if "mask" not in n}),
+        mha(query[0], key[0], value[0], **{n: a for n, a in kwargs.items() if "mask" not in n}),
+    )
 
     layer = pyattn.MultiHeadAttention(16, 4, num_kv_heads=2, dtype=dtype, seed=3, batch_first=False)
     twin = pyattn.MultiHeadAttention(16, 4, num_kv_heads=2, dtype=dtype, seed=3)
@@ -375,8 +377,10 @@ def test_layers_pickle_and_deepcopy(isa, dtype, rng, copy_kind):
     layer.load_state_dict(state)  # the copy keeps its own weights
     assert not np.array_equal(twin(query, key, value), layer(query, key, value))
     weights = {n.replace(".", "_"): clone(w) for n, w in twin.state_dict().items()}
-    np.testing.assert_array_equal(mha(clone(query), clone(key), clone(value), num_heads=4, num_kv_heads=2,
-                                      batch_first=False, **weights), twin(query, key, value))
+    np.testing.assert_array_equal(
+        mha(clone(query), clone(key), clone(value), num_heads=4, num_kv_heads=2, batch_first=False, **weights),
+        twin(query, key, value),
+    )
 
 
 @pytest.mark.parametrize("need_weights", [False, True])
@@ -877,8 +881,20 @@ def test_mixed_dtypes(layer_args, name):
         mha(**layer_args)
 
 
-@pytest.mark.parametrize("name", ["query", "key", "value", "q_proj_weight", "k_proj_bias", "out_proj_weight",
-                                  "out_proj_bias", "attn_mask", "key_padding_mask"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "query",
+        "key",
+        "value",
+        "q_proj_weight",
+        "k_proj_bias",
+        "out_proj_weight",
+        "out_proj_bias",
+        "attn_mask",
+        "key_padding_mask",
+    ],
+)
 def test_masked_arrays_are_refused(layer_args, name):
     # A numpy.ma array's mask would be dropped (np.asarray keeps the data): a masked padding flag
     # or weight would count as unmasked. TypeError naming the argument, in mha and in the layer.
@@ -899,8 +915,12 @@ def test_masked_arrays_are_refused_by_the_layer(layer_args):
     with pytest.raises(TypeError, match=r"^query: masked arrays"):
         layer(np.ma.masked_array(layer_args["query"]), layer_args["key"], layer_args["value"])
     with pytest.raises(TypeError, match=r"^key_padding_mask: masked arrays"):
-        layer(layer_args["query"], layer_args["key"], layer_args["value"],
-              key_padding_mask=np.ma.masked_array(np.zeros((2, 7), bool), mask=True))
+        layer(
+            layer_args["query"],
+            layer_args["key"],
+            layer_args["value"],
+            key_padding_mask=np.ma.masked_array(np.zeros((2, 7), bool), mask=True),
+        )
 
 
 @pytest.mark.parametrize("bad_dtype", [np.int64, np.complex64, object])
@@ -1006,7 +1026,9 @@ def test_pack_weights_layout(isa, dtype, rng):
             expected[col // panel, :, col % panel] = w[col]
         np.testing.assert_array_equal(packed.reshape(panels, k, panel), expected, err_msg=f"n={n} k={k}")
         # On a cache line, whatever NumPy's allocator gave: the GEMM loads whole 64-byte vectors of it.
-        assert packed.ctypes.data % 64 == 0, f"n={n} k={k}: packed weights start {packed.ctypes.data % 64} bytes past a line"
+        assert packed.ctypes.data % 64 == 0, (
+            f"n={n} k={k}: packed weights start {packed.ctypes.data % 64} bytes past a line"
+        )
         assert packed.flags.c_contiguous and packed.flags.writeable and packed.size == panels * k * panel
 
 
@@ -1036,7 +1058,7 @@ def test_linear_unpacked_weight_views(isa, dtype, rng):
     parent = random_array(rng, (2 * n + 3, k + 9), dtype)
     for m in (200, 1100):
         x = random_array(rng, (m, k), dtype)
-        for w in (parent[3:n + 3, 2:k + 2], parent[n - 1::-1, :k], parent[::2, 5:k + 5][:n]):
+        for w in (parent[3 : n + 3, 2 : k + 2], parent[n - 1 :: -1, :k], parent[::2, 5 : k + 5][:n]):
             saved = w.copy()
             packed, panel = pyattn._core.pack_weights(np.ascontiguousarray(w))
             expected = np.empty((m, n), dtype)
@@ -1062,8 +1084,12 @@ def test_linear_unpacked_one_or_two_rows(isa, dtype, rng, rows):
         parent[:, :2] = np.nan
         x = random_array(rng, (rows, k), dtype)
         bias = random_array(rng, (n,), dtype)
-        for w in (parent[3:n + 3, 2:k + 2], parent[n + 2:2:-1, 2:k + 2], parent[3::2, 2:k + 2][:n],
-                  np.ascontiguousarray(parent[3:n + 3, 2:k + 2])):
+        for w in (
+            parent[3 : n + 3, 2 : k + 2],
+            parent[n + 2 : 2 : -1, 2 : k + 2],
+            parent[3::2, 2 : k + 2][:n],
+            np.ascontiguousarray(parent[3 : n + 3, 2 : k + 2]),
+        ):
             packed, panel = pyattn._core.pack_weights(np.ascontiguousarray(w))
             for b in (bias, None):
                 expected = np.empty((rows, n), dtype)
@@ -1161,9 +1187,11 @@ def test_low_level_layer_entries_check_their_sizes(entry, bad, message):
     out = np.zeros((2, 8), np.float32)
     with pytest.raises(ValueError, match=message):
         if entry == "mha":
-            dims = [sizes[n] for n in ("batch", "q_len", "kv_len", "embed_dim")] + [8, 8] + [
-                sizes[n] for n in ("num_heads", "num_kv_heads", "head_dim")
-            ]
+            dims = (
+                [sizes[n] for n in ("batch", "q_len", "kv_len", "embed_dim")]
+                + [8, 8]
+                + [sizes[n] for n in ("num_heads", "num_kv_heads", "head_dim")]
+            )
             pyattn._core.mha(x, x, x, weights, dims, [], False, out, None, 1)
         else:
             dims = [sizes[n] for n in ("batch", "q_len", "embed_dim", "num_heads", "num_kv_heads", "head_dim")]

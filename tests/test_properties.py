@@ -2,11 +2,12 @@
 """Hypothesis invariants of attention, each also held against the float64 reference where it applies."""
 
 import numpy as np
-from conftest import DTYPES, assert_close, tol, check_against_reference, make_qkv
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pyattn
+
+from conftest import DTYPES, assert_close, check_against_reference, make_qkv, tol
 
 sdpa = pyattn.scaled_dot_product_attention
 

@@ -5,23 +5,23 @@ Inputs are views cut from NaN-filled parents (see conftest.nan_guarded), so an o
 stride mistake shows up as NaN in the output.
 """
 
-
 import numpy as np
 import pytest
+
+import pyattn
+from pyattn import reference
+from pyattn._tuning import override
+
 from conftest import (
     TOL,
     assert_close,
-    tol,
     check_against_reference,
     make_qkv,
     nan_guarded,
     random_array,
     random_mask,
+    tol,
 )
-
-import pyattn
-from pyattn import reference
-from pyattn._tuning import override
 
 try:
     import ml_dtypes
@@ -76,9 +76,7 @@ def test_block_boundaries(isa, dtype, rng, q_len, kv_len):
 # evenly over its blocks (attention.cpp): q_len past the decode kernel's limit but short of a block,
 # and several blocks of every width with a ragged last row vector, for every ISA and dtype; boolean
 # mask with a lower-right causal limit, and the weights (written by the same tile width).
-@pytest.mark.parametrize(
-    "q_len", [pyattn._core.DECODE_MAX_Q_LEN + 1, 17, 24, 33, 48, 65, 73, 81, 89, 97, 113, 121]
-)
+@pytest.mark.parametrize("q_len", [pyattn._core.DECODE_MAX_Q_LEN + 1, 17, 24, 33, 48, 65, 73, 81, 89, 97, 113, 121])
 @pytest.mark.parametrize("variant", ["plain", "masked", "weights"])
 def test_tile_widths(isa, dtype, rng, q_len, variant):
     kv_len = q_len + 37
@@ -184,7 +182,7 @@ def test_masked_block_edges(isa, dtype, rng, q_len, kv_len, pattern):
         if pattern == "right_padding":
             allowed[b, :, :, :cut] = True
         elif pattern == "left_padding":
-            allowed[b, :, :, kv_len - cut:] = True
+            allowed[b, :, :, kv_len - cut :] = True
         elif pattern == "padded_holes":  # both ends cut, random holes between: the cut words are used bit by bit
             allowed[b, :, :, cut // 2 : kv_len - cut // 3] = rng.random((q_len, kv_len - cut // 3 - cut // 2)) < 0.8
         elif pattern == "band":
@@ -269,10 +267,13 @@ def _float_mask_cases(rng, dtype, q_len, kv_len):
     return {name: m.astype(dtype) for name, m in cases.items()}
 
 
-MASK_LAYOUTS = [("bool", layout) for layout in ("shared_2d", "per_batch", "per_head", "shared_rows", "shared_keys",
-                                                  "transposed", "reversed")] + [
-    ("float", layout) for layout in ("causal_2d", "per_batch", "per_head", "shared_rows", "shared_keys", "transposed",
-                                     "reversed")]
+MASK_LAYOUTS = [
+    ("bool", layout)
+    for layout in ("shared_2d", "per_batch", "per_head", "shared_rows", "shared_keys", "transposed", "reversed")
+] + [
+    ("float", layout)
+    for layout in ("causal_2d", "per_batch", "per_head", "shared_rows", "shared_keys", "transposed", "reversed")
+]
 
 
 @pytest.mark.parametrize("q_len, kv_len", [(9, 70), (130, 700)])
@@ -942,8 +943,18 @@ def test_prefetch_changes_nothing(isa, rng, q_len, kv_len, options, mode):
         if ml_dtypes is None:
             pytest.skip("ml_dtypes is not installed")
         dtype = ml_dtypes.bfloat16
-    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=4, kv_heads=2 if options.get("gqa") else 4, q_len=q_len,
-                       kv_len=kv_len, head_dim=24, value_dim=40, layout=options.get("layout", "bhsd"))
+    q, k, v = make_qkv(
+        rng,
+        dtype,
+        batch=(2,),
+        q_heads=4,
+        kv_heads=2 if options.get("gqa") else 4,
+        q_len=q_len,
+        kv_len=kv_len,
+        head_dim=24,
+        value_dim=40,
+        layout=options.get("layout", "bhsd"),
+    )
     mask = None
     if "mask" in options:
         mask = random_mask(rng, (2, 1, q_len, kv_len), options["mask"], np.float32 if dtype == np.float32 else dtype)
@@ -992,8 +1003,18 @@ def test_interleaved_heads_change_nothing(isa, dtype, rng, heads, kv_heads, q_le
         if ml_dtypes is None or dtype != np.float32:
             pytest.skip("16-bit inputs: once, with ml_dtypes")
         dtype = ml_dtypes.bfloat16
-    q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
-                       head_dim=24, value_dim=40, layout="bshd")
+    q, k, v = make_qkv(
+        rng,
+        dtype,
+        batch=(2,),
+        q_heads=heads,
+        kv_heads=kv_heads,
+        q_len=q_len,
+        kv_len=kv_len,
+        head_dim=24,
+        value_dim=40,
+        layout="bshd",
+    )
     assert kv_heads == 1 or k.strides[-2] > k.strides[-3] > 0  # rows of the heads interleave
     mask = None
     if "mask" in options:
@@ -1007,8 +1028,9 @@ def test_interleaved_heads_change_nothing(isa, dtype, rng, heads, kv_heads, q_le
             v[..., forbidden, :] = np.inf
     if options.get("shared_k"):
         k = np.broadcast_to(k[:, :1], k.shape)
-    kwargs = dict(is_causal=options.get("is_causal", False), enable_gqa=heads != kv_heads,
-                  num_threads=options.get("threads", 2))
+    kwargs = dict(
+        is_causal=options.get("is_causal", False), enable_gqa=heads != kv_heads, num_threads=options.get("threads", 2)
+    )
     with prefetch(options.get("prefetch", -1)):
         with override(pack_heads=False):
             paired = sdpa(q, k, v, mask, **kwargs)

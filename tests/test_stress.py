@@ -19,9 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from conftest import make_qkv, random_mask
 
 import pyattn
+
+from conftest import make_qkv, random_mask
 
 sdpa = pyattn.scaled_dot_product_attention
 ROUNDS = 4
@@ -44,8 +45,16 @@ def _sdpa_jobs(rng):
     for i, dtype in enumerate([np.float32, np.float64] * 5):
         q_len = [1, 7, 64, 130, 1][i % 5]
         kv_len = [300, 65, 128, 257, 1500][i % 5]
-        q, k, v = make_qkv(rng, dtype, batch=(2,), q_heads=4, kv_heads=[4, 2, 1, 4, 2][i % 5],
-                           q_len=q_len, kv_len=kv_len, head_dim=[64, 32, 16, 48, 64][i % 5])
+        q, k, v = make_qkv(
+            rng,
+            dtype,
+            batch=(2,),
+            q_heads=4,
+            kv_heads=[4, 2, 1, 4, 2][i % 5],
+            q_len=q_len,
+            kv_len=kv_len,
+            head_dim=[64, 32, 16, 48, 64][i % 5],
+        )
         kwargs = dict(is_causal=[False, True, "lower_right", False, "upper_left"][i % 5], enable_gqa=True)
         mask = None
         if i % 3 == 1:
@@ -72,10 +81,13 @@ def _mha_jobs(rng):
             jobs.append(("layer", (layer, x, mem, mem), dict(key_padding_mask=padding)))
             state = layer.state_dict()
             weights = dict(
-                in_proj_weight=state.get("in_proj_weight"), in_proj_bias=state.get("in_proj_bias"),
-                q_proj_weight=state.get("q_proj_weight"), k_proj_weight=state.get("k_proj_weight"),
+                in_proj_weight=state.get("in_proj_weight"),
+                in_proj_bias=state.get("in_proj_bias"),
+                q_proj_weight=state.get("q_proj_weight"),
+                k_proj_weight=state.get("k_proj_weight"),
                 v_proj_weight=state.get("v_proj_weight"),
-                out_proj_weight=state["out_proj.weight"], out_proj_bias=state.get("out_proj.bias"),
+                out_proj_weight=state["out_proj.weight"],
+                out_proj_bias=state.get("out_proj.bias"),
             )
             weights = {name: w for name, w in weights.items() if w is not None}
             jobs.append(("mha", (x,), dict(num_heads=4, num_kv_heads=num_kv_heads, is_causal="lower_right", **weights)))

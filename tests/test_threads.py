@@ -8,10 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from conftest import assert_close, make_qkv, random_mask
 
 import pyattn
 from pyattn import reference
+
+from conftest import assert_close, make_qkv, random_mask
 
 sdpa = pyattn.scaled_dot_product_attention
 
@@ -117,8 +118,9 @@ print(os.read(read, 1000).decode(), "|", os.waitstatus_to_exitcode(status))
 """
 
 
-@pytest.mark.skipif(not hasattr(os, "fork") or pyattn._core.openmp_runtime() != "libgomp (GNU)",
-                    reason="fork and GNU libgomp only")
+@pytest.mark.skipif(
+    not hasattr(os, "fork") or pyattn._core.openmp_runtime() != "libgomp (GNU)", reason="fork and GNU libgomp only"
+)
 @pytest.mark.parametrize("when", ["after", "before"])
 def test_forked_children_do_not_hang(when):
     """A process forked after a parallel region (multiprocessing's "fork" start method, pre-forking

@@ -6,9 +6,10 @@ Every row keeps at least one allowed key: torch returns NaN for fully masked row
 
 import numpy as np
 import pytest
-from conftest import assert_close, make_qkv, random_mask, tol
 
 import pyattn
+
+from conftest import assert_close, make_qkv, random_mask, tol
 
 torch = pytest.importorskip("torch")
 
@@ -71,8 +72,9 @@ def test_tensors_are_read_like_arrays(rng):
     q, k, v = make_qkv(rng, np.float32, batch=(2,), q_heads=4, q_len=5, kv_len=7, head_dim=8)
     expected = pyattn.scaled_dot_product_attention(q, k, v)
     tq, tk, tv = (torch.from_numpy(x.copy()) for x in (q, k, v))
-    got = pyattn.scaled_dot_product_attention(tq.requires_grad_(), tk, torch.nn.Parameter(tv),
-                                              attn_mask=torch.ones(5, 7, dtype=torch.bool))
+    got = pyattn.scaled_dot_product_attention(
+        tq.requires_grad_(), tk, torch.nn.Parameter(tv), attn_mask=torch.ones(5, 7, dtype=torch.bool)
+    )
     np.testing.assert_array_equal(got, expected)
     assert isinstance(got, np.ndarray) and not tq.grad_fn and tq.grad is None
 
@@ -83,8 +85,9 @@ def test_tensors_are_read_like_arrays(rng):
     np.testing.assert_array_equal(got.view(np.uint16), pyattn.scaled_dot_product_attention(*half).view(np.uint16))
 
     cache = pyattn.KVCache(2, 4, 8, 16, dtype=ml_dtypes.bfloat16)
-    cache.append(torch.from_numpy(k).bfloat16().requires_grad_(), torch.from_numpy(v).bfloat16(),
-                 num_new=torch.tensor([7, 6]))
+    cache.append(
+        torch.from_numpy(k).bfloat16().requires_grad_(), torch.from_numpy(v).bfloat16(), num_new=torch.tensor([7, 6])
+    )
     assert cache.lengths.tolist() == [7, 6]
     np.testing.assert_array_equal(cache.keys(0).view(np.uint16), k[0].astype(ml_dtypes.bfloat16).view(np.uint16))
     query = k * 0.5  # a chunk as long as the last append (7 tokens)
@@ -103,16 +106,27 @@ def test_mha_and_explain_take_tensors_that_require_grad(rng):
     ours = pyattn.MultiHeadAttention.from_torch(layer)
     expected = ours(x.detach().numpy())
     weights = {name: p for name, p in layer.named_parameters()}  # these require grad
-    np.testing.assert_array_equal(pyattn.mha(x, num_heads=4, in_proj_weight=weights["in_proj_weight"],
-                                             in_proj_bias=weights["in_proj_bias"],
-                                             out_proj_weight=weights["out_proj.weight"],
-                                             out_proj_bias=weights["out_proj.bias"]), expected)
+    np.testing.assert_array_equal(
+        pyattn.mha(
+            x,
+            num_heads=4,
+            in_proj_weight=weights["in_proj_weight"],
+            in_proj_bias=weights["in_proj_bias"],
+            out_proj_weight=weights["out_proj.weight"],
+            out_proj_bias=weights["out_proj.bias"],
+        ),
+        expected,
+    )
     explained = pyattn.explain(x[0], {**weights, "num_heads": 4})
     rtol, atol = tol(np.float32)
     np.testing.assert_allclose(explained.output, expected[0], rtol=rtol, atol=atol)
     with pytest.raises(TypeError, match="^query: dtype must be float32 or float64, got bfloat16"):
-        pyattn.mha(x.bfloat16(), num_heads=4, in_proj_weight=weights["in_proj_weight"],
-                   out_proj_weight=weights["out_proj.weight"])
+        pyattn.mha(
+            x.bfloat16(),
+            num_heads=4,
+            in_proj_weight=weights["in_proj_weight"],
+            out_proj_weight=weights["out_proj.weight"],
+        )
 
 
 def test_from_torch_keeps_the_modules_layout(rng):

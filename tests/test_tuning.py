@@ -22,11 +22,12 @@ import itertools
 
 import numpy as np
 import pytest
-from conftest import random_array, random_mask, tol
 
 import pyattn
 from pyattn import reference
 from pyattn._tuning import PROFILES, override
+
+from conftest import random_array, random_mask, tol
 
 try:
     import ml_dtypes
@@ -66,7 +67,7 @@ def seeded(name):
     return np.random.default_rng([20240607, *name.encode()])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def decode_calls(name):
     """Decode-path calls (q_len <= DECODE_MAX_Q_LEN) of dtype `name`, each with its reference: GQA
     groups of 4 rows and single rows, 16-bit K/V read in place and through scratch (head_dim off the
@@ -96,7 +97,7 @@ def decode_calls(name):
     return calls
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tile_calls(name):
     """Query-tile calls of dtype `name`, each with its reference: GQA groups (group tiles), interleaved
     heads with many query blocks (copied heads, pairs), boolean and float masks (packed or read as they
@@ -128,7 +129,7 @@ def tile_calls(name):
     return calls
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cache_steps(name):
     """KVCache decode steps of storage `name` (GQA and one row per K/V row, ragged lengths), with their
     references from the stored K/V (the results are float32 or float64, held to that dtype's
@@ -141,16 +142,23 @@ def cache_steps(name):
         cache = pyattn.KVCache(2, kv_heads, dim, 1000, dtype=name)
         k = rng.standard_normal((2, kv_heads, 900, dim)).astype(compute)
         v = rng.standard_normal((2, kv_heads, 900, dim)).astype(compute)
-        cache.append(k[:, :, : -q_len], v[:, :, : -q_len], num_new=np.array(lengths) - q_len)
+        cache.append(k[:, :, :-q_len], v[:, :, :-q_len], num_new=np.array(lengths) - q_len)
         cache.append(k[:, :, -q_len:], v[:, :, -q_len:])
         q = rng.standard_normal((2, q_heads, q_len, dim)).astype(compute)
         expected = []
         for b in range(2):
-            expected.append(reference.scaled_dot_product_attention(
-                f64(q[b : b + 1]), f64(cache.keys(b))[None], f64(cache.values(b))[None], is_causal="lower_right",
-                enable_gqa=True))
-        steps.append((lambda cache=cache, q=q: cache.attend(q, num_threads=2), np.concatenate(expected),
-                      np.dtype(compute).name))
+            expected.append(
+                reference.scaled_dot_product_attention(
+                    f64(q[b : b + 1]),
+                    f64(cache.keys(b))[None],
+                    f64(cache.values(b))[None],
+                    is_causal="lower_right",
+                    enable_gqa=True,
+                )
+            )
+        steps.append(
+            (lambda cache=cache, q=q: cache.attend(q, num_threads=2), np.concatenate(expected), np.dtype(compute).name)
+        )
     return steps
 
 
@@ -189,7 +197,9 @@ def test_probed_cpu_comes_back():
 
 # ---- every plan the override can force ------------------------------------------------------------
 
-NEUTRAL_DECODE = [dict(decode_prefetch=p, decode_fuse=f) for p, f in itertools.product(("off", "l1", "l2"), (False, True))]
+NEUTRAL_DECODE = [
+    dict(decode_prefetch=p, decode_fuse=f) for p, f in itertools.product(("off", "l1", "l2"), (False, True))
+]
 # Every prefetch mode with every group size; heads copied or not, masks packed or not, in turn.
 NEUTRAL_TILES = [
     dict(tile_prefetch=p, group_heads=g, pack_heads=n % 2 == 0, packed_mask_limit=None if n % 3 else 0)
@@ -205,14 +215,14 @@ def test_forced_decode_plans(isa, name):
     calls = decode_calls(name) + cache_steps(name)
     for streams, block16, across in itertools.product((1, 2, 4), (32, 64), (False, True)):
         fixed = dict(decode_streams=streams, decode_block16=block16, decode_across_heads=across)
-        for call, expected, tol in calls:
+        for call, expected, result_dtype in calls:
             results = []
             for neutral in NEUTRAL_DECODE:
                 with override(**fixed, **neutral):
                     results.append(call())
             for other in results[1:]:
                 np.testing.assert_array_equal(f64(other), f64(results[0]))
-            assert_reference(results[0], expected, tol)
+            assert_reference(results[0], expected, result_dtype)
 
 
 @pytest.mark.parametrize("name", ["float32", "float64", "bfloat16"])
@@ -220,10 +230,10 @@ def test_forced_tile_plans(isa, name):
     """Every query-tile plan (prefetching nothing, K/V rows or the next items; 1, 2, 3 or 8 heads per
     group tile; interleaved heads copied or not; masks packed to bits or read as they are) gives the
     same bits, and the reference's values."""
-    for call, expected, tol in tile_calls(name):
+    for call, expected, result_dtype in tile_calls(name):
         with override(**NEUTRAL_TILES[0]):
             first = call()
-        assert_reference(first, expected, tol)
+        assert_reference(first, expected, result_dtype)
         for neutral in NEUTRAL_TILES[1:]:
             with override(**neutral):
                 np.testing.assert_array_equal(f64(call()), f64(first))

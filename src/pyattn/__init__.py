@@ -14,7 +14,8 @@ from ._explain import Explanation, HeadSteps, explain, plot_heatmaps, render_tex
 from ._mha import MultiHeadAttention, mha
 
 try:
-    from importlib.metadata import PackageNotFoundError, version as _dist_version
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as _dist_version
 
     __version__ = _dist_version("pyattn")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree without metadata

@@ -159,8 +159,10 @@ class KVCache:
         self._bind_storage()
 
     def __repr__(self):
-        return (f"KVCache(batch={self.batch}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"max_len={self.max_len}, value_dim={self.value_dim}, dtype={self.dtype}, lengths={self.lengths.tolist()})")
+        return (
+            f"KVCache(batch={self.batch}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"max_len={self.max_len}, value_dim={self.value_dim}, dtype={self.dtype}, lengths={self.lengths.tolist()})"
+        )
 
     # -- filling ----------------------------------------------------------------------------------
     def append(self, key, value, *, num_new=None, left_padded=False):
@@ -188,11 +190,13 @@ class KVCache:
         v = as_array(value, "value")
         if k.ndim != 4 or k.shape[0] != self.batch or k.shape[1] != self.num_kv_heads or k.shape[3] != self.head_dim:
             raise ValueError(
-                f"key: expected shape ({self.batch}, {self.num_kv_heads}, chunk, {self.head_dim}), got {k.shape}")
+                f"key: expected shape ({self.batch}, {self.num_kv_heads}, chunk, {self.head_dim}), got {k.shape}"
+            )
         chunk = k.shape[2]
         if v.shape != (self.batch, self.num_kv_heads, chunk, self.value_dim):
             raise ValueError(
-                f"value: expected shape {(self.batch, self.num_kv_heads, chunk, self.value_dim)}, got {v.shape}")
+                f"value: expected shape {(self.batch, self.num_kv_heads, chunk, self.value_dim)}, got {v.shape}"
+            )
         for name, x in (("key", k), ("value", v)):
             if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
                 raise TypeError(f"{name}: expected a floating dtype, got {x.dtype}")
@@ -201,8 +205,8 @@ class KVCache:
             n = int(counts[b])
             start = chunk - n if left_padded else 0
             pos = int(before[b])
-            self._k[b, :, pos:pos + n] = k[b, :, start:start + n]
-            self._v[b, :, pos:pos + n] = v[b, :, start:start + n]
+            self._k[b, :, pos : pos + n] = k[b, :, start : start + n]
+            self._v[b, :, pos : pos + n] = v[b, :, start : start + n]
         self._commit_append(counts, end, chunk, left_padded)
 
     def _plan_append(self, num_new, chunk):
@@ -219,7 +223,9 @@ class KVCache:
             if counts.dtype.kind not in "iu":  # bool is kind "b"; as _per_row, a wrong type is a TypeError
                 raise TypeError(f"num_new: expected {self.batch} integers, got {counts!r}")
             if counts.shape != (self.batch,):
-                raise ValueError(f"num_new: expected {self.batch} integers (one per batch row), got shape {counts.shape}")
+                raise ValueError(
+                    f"num_new: expected {self.batch} integers (one per batch row), got shape {counts.shape}"
+                )
             counts = counts.astype(np.int64)
             if (counts < 0).any() or (counts > chunk).any():
                 raise ValueError(f"num_new: entries must lie in [0, {chunk}], got {counts.tolist()}")
@@ -229,7 +235,8 @@ class KVCache:
             b = int(np.argmax(end > self.max_len))
             raise ValueError(
                 f"max_len: appending {int(counts[b])} tokens to batch row {b} (length {int(before[b])}) "
-                f"exceeds max_len={self.max_len}")
+                f"exceeds max_len={self.max_len}"
+            )
         return before, counts, end
 
     def _commit_append(self, counts, end, chunk, left_padded):
@@ -298,8 +305,12 @@ class KVCache:
         if valid is not None:
             return valid.copy()
         lengths = as_array(self.lengths, "lengths")
-        if lengths.shape != (self.batch,) or lengths.dtype.kind not in "iu" or (lengths < 0).any() or \
-                (lengths > self.max_len).any():
+        if (
+            lengths.shape != (self.batch,)
+            or lengths.dtype.kind not in "iu"
+            or (lengths < 0).any()
+            or (lengths > self.max_len).any()
+        ):
             raise ValueError(f"lengths: expected {self.batch} lengths in [0, {self.max_len}], got {self.lengths!r}")
         return lengths.astype(np.int64)
 
@@ -330,10 +341,14 @@ class KVCache:
     def _causal_state(self):
         """(kv_len, lengths, causal_offsets) for attend(): the longest row, a snapshot of the lengths
         and each row's lower-right causal offset. They change only with the lengths and the last
-        append, so a decode loop computes them once per append, not on every attend; the key is exactly what they are computed from, so any change is seen, lengths
-        edited in place included."""
-        key = (np.asarray(self.lengths).tobytes(), self._last_new.tobytes(), self._last_first.tobytes(),
-               self._last_chunk)
+        append, so a decode loop computes them once per append, not on every attend; the key is
+        exactly what they are computed from, so any change is seen, lengths edited in place included."""
+        key = (
+            np.asarray(self.lengths).tobytes(),
+            self._last_new.tobytes(),
+            self._last_first.tobytes(),
+            self._last_chunk,
+        )
         if key != self._attend_key:
             lengths = self._checked_lengths()  # a copy: the state must not change under it
             causal_offsets = np.ascontiguousarray(lengths - self._last_new - self._last_first, dtype=np.int64)
@@ -374,15 +389,20 @@ class KVCache:
             raise ValueError(f"query: num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if chunk != self._last_chunk:
             if self._last_chunk == 0:
-                raise ValueError(f"query: a chunk of {chunk} queries, but no token was appended since the cache was "
-                                 "made or reset (attend() takes the queries of the tokens appended last)")
-            raise ValueError(f"query: chunk length {chunk} does not match the last append's ({self._last_chunk} tokens; "
-                             "attend() takes the queries of the tokens appended last)")
+                raise ValueError(
+                    f"query: a chunk of {chunk} queries, but no token was appended since the cache was "
+                    "made or reset (attend() takes the queries of the tokens appended last)"
+                )
+            raise ValueError(
+                f"query: chunk length {chunk} does not match the last append's ({self._last_chunk} tokens; "
+                "attend() takes the queries of the tokens appended last)"
+            )
         if q.dtype != self._compute:
             if q.dtype.kind != "f" and q.dtype.name != "bfloat16":
                 raise TypeError(f"query: expected a floating dtype, got {q.dtype}")
             q = q.astype(self._compute)
         kv_len, lengths, causal_offsets = self._causal_state()
         # Read in place by the kernels (16-bit storage converted to float32 a key block at a time).
-        return _core.sdpa_cache(q, self._k_core, self._v_core, self._half, kv_len, lengths, causal_offsets, scale,
-                                num_threads)
+        return _core.sdpa_cache(
+            q, self._k_core, self._v_core, self._half, kv_len, lengths, causal_offsets, scale, num_threads
+        )

@@ -7,7 +7,8 @@ arguments prepared by pyattn._mha and re-check every invariant the C++ side reli
 check raises ValueError or TypeError naming the argument.
 """
 
-from typing import Any, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -17,13 +18,19 @@ __version__: str
 DECODE_MAX_Q_LEN: int
 
 # (name, mask array, per-(batch, head) int64 offsets, stride_l, stride_s, true_forbids)
-_MaskEntry = Tuple[str, np.ndarray, npt.NDArray[np.int64], int, int, bool]
+_MaskEntry = tuple[str, np.ndarray, npt.NDArray[np.int64], int, int, bool]
 # The layer's q, k, v, out projection weights (each packed by pack_weights for the active ISA, or
 # the (out_features, in_features) array itself, packed by the GEMM's tasks as they go), then their
 # optional biases.
-_LayerWeights = Tuple[
-    np.ndarray, np.ndarray, np.ndarray, np.ndarray,
-    Optional[np.ndarray], Optional[np.ndarray], Optional[np.ndarray], Optional[np.ndarray],
+_LayerWeights = tuple[
+    np.ndarray,
+    np.ndarray,
+    np.ndarray,
+    np.ndarray,
+    np.ndarray | None,
+    np.ndarray | None,
+    np.ndarray | None,
+    np.ndarray | None,
 ]
 
 def sdpa(
@@ -58,7 +65,7 @@ def sdpa_cache(
 def kernel_layout(x: np.ndarray, name: str, contiguous_last: bool = True) -> np.ndarray:
     """x itself when the kernels can read it through its strides, else a C-contiguous copy."""
 
-def pack_weights(weight: np.ndarray) -> Tuple[np.ndarray, int]:
+def pack_weights(weight: np.ndarray) -> tuple[np.ndarray, int]:
     """Pack a (out_features, in_features) weight for the active ISA's GEMM; returns (packed, panel)."""
 
 def linear(
@@ -66,7 +73,7 @@ def linear(
     packed: np.ndarray,
     panel: int,
     n: int,
-    bias: Optional[np.ndarray],
+    bias: np.ndarray | None,
     out: np.ndarray,
     num_threads: int,
 ) -> None:
@@ -81,7 +88,7 @@ def mha(
     masks: Sequence[_MaskEntry],
     is_causal: Any,
     out: np.ndarray,
-    attn_weights: Optional[np.ndarray],
+    attn_weights: np.ndarray | None,
     num_threads: Any,
 ) -> None:
     """Low-level multi-head attention entry; arguments prepared by pyattn._mha.

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: MIT
 """Type stub of pyattn._machine: the machine's ceilings for the benchmarks (private, src/cpp/machine.cpp)."""
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy.typing as npt
 

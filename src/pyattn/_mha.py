@@ -75,8 +75,12 @@ class _Weights:
         per call, same results)."""
         if self._packed:
             return self.packed()[0]
-        return tuple(kernel_layout(x, n) for x, n in zip(
-            (self.q, self.k, self.v, self.o), ("q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj_weight")))
+        return tuple(
+            kernel_layout(x, n)
+            for x, n in zip(
+                (self.q, self.k, self.v, self.o), ("q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj_weight")
+            )
+        )
 
     def linear(self, x, which, threads):
         """x (rows, in) @ W.T + b for which in "qkvo", through the core's GEMM."""
@@ -88,9 +92,24 @@ class _Weights:
         return out
 
 
-def _resolve_weights(embed_dim, kdim, vdim, num_heads, num_kv_heads, dtype, in_proj_weight, in_proj_bias,
-                     q_proj_weight, k_proj_weight, v_proj_weight, q_proj_bias, k_proj_bias, v_proj_bias,
-                     out_proj_weight, out_proj_bias):
+def _resolve_weights(
+    embed_dim,
+    kdim,
+    vdim,
+    num_heads,
+    num_kv_heads,
+    dtype,
+    in_proj_weight,
+    in_proj_bias,
+    q_proj_weight,
+    k_proj_weight,
+    v_proj_weight,
+    q_proj_bias,
+    k_proj_bias,
+    v_proj_bias,
+    out_proj_weight,
+    out_proj_bias,
+):
     if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
         raise ValueError(f"num_heads: expected a positive int, got {num_heads!r}")
     if embed_dim % num_heads != 0:
@@ -104,10 +123,30 @@ def _resolve_weights(embed_dim, kdim, vdim, num_heads, num_kv_heads, dtype, in_p
     head_dim = embed_dim // num_heads
     kv_width = num_kv_heads * head_dim
 
-    names = ("in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight", "v_proj_weight",
-             "q_proj_bias", "k_proj_bias", "v_proj_bias", "out_proj_weight", "out_proj_bias")
-    values = (in_proj_weight, in_proj_bias, q_proj_weight, k_proj_weight, v_proj_weight,
-              q_proj_bias, k_proj_bias, v_proj_bias, out_proj_weight, out_proj_bias)
+    names = (
+        "in_proj_weight",
+        "in_proj_bias",
+        "q_proj_weight",
+        "k_proj_weight",
+        "v_proj_weight",
+        "q_proj_bias",
+        "k_proj_bias",
+        "v_proj_bias",
+        "out_proj_weight",
+        "out_proj_bias",
+    )
+    values = (
+        in_proj_weight,
+        in_proj_bias,
+        q_proj_weight,
+        k_proj_weight,
+        v_proj_weight,
+        q_proj_bias,
+        k_proj_bias,
+        v_proj_bias,
+        out_proj_weight,
+        out_proj_bias,
+    )
     arrays = {n: _array(x, n, dtype) for n, x in zip(names, values)}
     if arrays["out_proj_weight"] is None:
         raise ValueError("out_proj_weight: required")
@@ -121,7 +160,7 @@ def _resolve_weights(embed_dim, kdim, vdim, num_heads, num_kv_heads, dtype, in_p
             )
         w = arrays["in_proj_weight"]
         _expect_shape(w, (embed_dim + 2 * kv_width, embed_dim), "in_proj_weight")
-        q, k, v = w[:embed_dim], w[embed_dim:embed_dim + kv_width], w[embed_dim + kv_width:]
+        q, k, v = w[:embed_dim], w[embed_dim : embed_dim + kv_width], w[embed_dim + kv_width :]
     else:
         q, k, v = arrays["q_proj_weight"], arrays["k_proj_weight"], arrays["v_proj_weight"]
         for n, x in (("q_proj_weight", q), ("k_proj_weight", k), ("v_proj_weight", v)):
@@ -136,16 +175,32 @@ def _resolve_weights(embed_dim, kdim, vdim, num_heads, num_kv_heads, dtype, in_p
             raise ValueError("in_proj_bias: pass either in_proj_bias or q/k/v_proj_bias, not both")
         b = arrays["in_proj_bias"]
         _expect_shape(b, (embed_dim + 2 * kv_width,), "in_proj_bias")
-        bq, bk, bv = b[:embed_dim], b[embed_dim:embed_dim + kv_width], b[embed_dim + kv_width:]
+        bq, bk, bv = b[:embed_dim], b[embed_dim : embed_dim + kv_width], b[embed_dim + kv_width :]
     _expect_shape(bq, (embed_dim,), "q_proj_bias")
     _expect_shape(bk, (kv_width,), "k_proj_bias")
     _expect_shape(bv, (kv_width,), "v_proj_bias")
     o = arrays["out_proj_weight"]
     _expect_shape(o, (embed_dim, embed_dim), "out_proj_weight")
     _expect_shape(arrays["out_proj_bias"], (embed_dim,), "out_proj_bias")
-    contiguous = (lambda x: None if x is None else np.ascontiguousarray(x))
-    return _Weights(embed_dim, num_heads, num_kv_heads, kdim, vdim, q, k, v, o,
-                    contiguous(bq), contiguous(bk), contiguous(bv), contiguous(arrays["out_proj_bias"]))
+
+    def contiguous(x):
+        return None if x is None else np.ascontiguousarray(x)
+
+    return _Weights(
+        embed_dim,
+        num_heads,
+        num_kv_heads,
+        kdim,
+        vdim,
+        q,
+        k,
+        v,
+        o,
+        contiguous(bq),
+        contiguous(bk),
+        contiguous(bv),
+        contiguous(arrays["out_proj_bias"]),
+    )
 
 
 def _mask_entry(m, name, dtype, batch, num_heads, q_len, kv_len, key_padding):
@@ -199,13 +254,18 @@ def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, num_thre
     if need_weights:
         raise ValueError("need_weights: not supported with kv_cache")
     if (w.kdim, w.vdim) != (w.embed_dim, w.embed_dim):
-        raise ValueError(f"kv_cache: self-attention needs kdim = vdim = embed_dim ({w.embed_dim}), "
-                         f"the layer has kdim={w.kdim}, vdim={w.vdim}")
+        raise ValueError(
+            f"kv_cache: self-attention needs kdim = vdim = embed_dim ({w.embed_dim}), "
+            f"the layer has kdim={w.kdim}, vdim={w.vdim}"
+        )
     if (kv_cache.num_kv_heads, kv_cache.head_dim, kv_cache.value_dim) != (w.num_kv_heads, w.head_dim, w.head_dim):
         raise ValueError(
-            f"kv_cache: expected num_kv_heads={w.num_kv_heads}, head_dim=value_dim={w.head_dim}, got {kv_cache!r}")
+            f"kv_cache: expected num_kv_heads={w.num_kv_heads}, head_dim=value_dim={w.head_dim}, got {kv_cache!r}"
+        )
     if kv_cache._compute != w.dtype:
-        raise TypeError(f"kv_cache: storage {kv_cache.dtype} computes in {kv_cache._compute}, but the layer is {w.dtype}")
+        raise TypeError(
+            f"kv_cache: storage {kv_cache.dtype} computes in {kv_cache._compute}, but the layer is {w.dtype}"
+        )
     batched = q.ndim == 3
     x = q if batched else q[np.newaxis]
     if x.shape[0] != kv_cache.batch:
@@ -218,9 +278,17 @@ def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, num_thre
     # KVCache.append + attend), output projection. Positional arguments: keyword matching costs time
     # on every decode step.
     _core.mha_cached(
-        _rows(x, True, "query"), (*packed, w.bq, w.bk, w.bv, w.bo),
+        _rows(x, True, "query"),
+        (*packed, w.bq, w.bk, w.bv, w.bo),
         [batch, chunk, w.embed_dim, w.num_heads, w.num_kv_heads, w.head_dim],
-        kv_cache._k_core, kv_cache._v_core, kv_cache._half, before, end, bool(left_padded), out, num_threads,
+        kv_cache._k_core,
+        kv_cache._v_core,
+        kv_cache._half,
+        before,
+        end,
+        bool(left_padded),
+        out,
+        num_threads,
     )
     kv_cache._commit_append(counts, end, chunk, left_padded)
     return out if batched else out[0]
@@ -232,8 +300,22 @@ def _sequence_first(x, batch_first):
     return x if batch_first or x.ndim != 3 else x.swapaxes(0, 1)
 
 
-def _forward(w, query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, average_attn_weights,
-             num_threads, kv_cache=None, num_new=None, left_padded=False, batch_first=True):
+def _forward(
+    w,
+    query,
+    key,
+    value,
+    attn_mask,
+    key_padding_mask,
+    is_causal,
+    need_weights,
+    average_attn_weights,
+    num_threads,
+    kv_cache=None,
+    num_new=None,
+    left_padded=False,
+    batch_first=True,
+):
     check_batch_first(batch_first)
     if kv_cache is not None:
         if key is not None or value is not None or attn_mask is not None or key_padding_mask is not None:
@@ -242,8 +324,9 @@ def _forward(w, query, key, value, attn_mask, key_padding_mask, is_causal, need_
         if q.ndim not in (2, 3) or q.shape[-1] != w.embed_dim:
             layout = "(batch, chunk" if batch_first else "(chunk, batch"
             raise ValueError(f"query: expected {layout}, {w.embed_dim}) or (chunk, {w.embed_dim}), got {q.shape}")
-        out = _forward_cached(w, _sequence_first(q, batch_first), kv_cache, num_new, left_padded, need_weights,
-                              num_threads)
+        out = _forward_cached(
+            w, _sequence_first(q, batch_first), kv_cache, num_new, left_padded, need_weights, num_threads
+        )
         return _sequence_first(out, batch_first)
     q = _array(query, "query")
     if q.dtype != w.dtype:
@@ -286,10 +369,16 @@ def _forward(w, query, key, value, attn_mask, key_padding_mask, is_causal, need_
     weights = allocate((batch, w.num_heads, q_len, kv_len), w.dtype, "need_weights") if need_weights else None
     packed = w.for_core()
     _core.mha(
-        _rows(q, batched, "query"), _rows(k, batched, "key"), _rows(v, batched, "value"),
+        _rows(q, batched, "query"),
+        _rows(k, batched, "key"),
+        _rows(v, batched, "value"),
         (*packed, w.bq, w.bk, w.bv, w.bo),
         [batch, q_len, kv_len, w.embed_dim, w.kdim, w.vdim, w.num_heads, w.num_kv_heads, w.head_dim],
-        masks, is_causal, out, weights, num_threads,
+        masks,
+        is_causal,
+        out,
+        weights,
+        num_threads,
     )
     out = _sequence_first(out, batch_first)
     if not need_weights:
@@ -301,11 +390,34 @@ def _forward(w, query, key, value, attn_mask, key_padding_mask, is_causal, need_
     return out, weights
 
 
-def mha(query, key=None, value=None, *, num_heads, in_proj_weight=None, in_proj_bias=None, q_proj_weight=None,
-        k_proj_weight=None, v_proj_weight=None, q_proj_bias=None, k_proj_bias=None, v_proj_bias=None,
-        out_proj_weight, out_proj_bias=None, attn_mask=None, key_padding_mask=None, is_causal=False,
-        need_weights=False, average_attn_weights=True, num_kv_heads=None, kv_cache=None, num_new=None,
-        left_padded=False, batch_first=True, num_threads=None):
+def mha(
+    query,
+    key=None,
+    value=None,
+    *,
+    num_heads,
+    in_proj_weight=None,
+    in_proj_bias=None,
+    q_proj_weight=None,
+    k_proj_weight=None,
+    v_proj_weight=None,
+    q_proj_bias=None,
+    k_proj_bias=None,
+    v_proj_bias=None,
+    out_proj_weight,
+    out_proj_bias=None,
+    attn_mask=None,
+    key_padding_mask=None,
+    is_causal=False,
+    need_weights=False,
+    average_attn_weights=True,
+    num_kv_heads=None,
+    kv_cache=None,
+    num_new=None,
+    left_padded=False,
+    batch_first=True,
+    num_threads=None,
+):
     """Multi-head attention (inference) with torch.nn.MultiheadAttention's weights and conventions.
 
     Parameters
@@ -371,12 +483,40 @@ def mha(query, key=None, value=None, *, num_heads, in_proj_weight=None, in_proj_
     k, v = _key_value(q, key, value)
     if q.ndim < 1:
         raise ValueError(f"query: expected (batch, q_len, embed_dim) or (q_len, embed_dim), got shape {q.shape}")
-    w = _resolve_weights(q.shape[-1], k.shape[-1], v.shape[-1], num_heads, num_kv_heads, q.dtype, in_proj_weight,
-                         in_proj_bias, q_proj_weight, k_proj_weight, v_proj_weight, q_proj_bias, k_proj_bias,
-                         v_proj_bias, out_proj_weight, out_proj_bias)
-    return _forward(w, q, None if key is None else k, None if value is None else v, attn_mask, key_padding_mask,
-                    is_causal, need_weights, average_attn_weights, num_threads, kv_cache, num_new, left_padded,
-                    batch_first)
+    w = _resolve_weights(
+        q.shape[-1],
+        k.shape[-1],
+        v.shape[-1],
+        num_heads,
+        num_kv_heads,
+        q.dtype,
+        in_proj_weight,
+        in_proj_bias,
+        q_proj_weight,
+        k_proj_weight,
+        v_proj_weight,
+        q_proj_bias,
+        k_proj_bias,
+        v_proj_bias,
+        out_proj_weight,
+        out_proj_bias,
+    )
+    return _forward(
+        w,
+        q,
+        None if key is None else k,
+        None if value is None else v,
+        attn_mask,
+        key_padding_mask,
+        is_causal,
+        need_weights,
+        average_attn_weights,
+        num_threads,
+        kv_cache,
+        num_new,
+        left_padded,
+        batch_first,
+    )
 
 
 class MultiHeadAttention:
@@ -412,8 +552,19 @@ class MultiHeadAttention:
         features), torch.nn.MultiheadAttention's default.
     """
 
-    def __init__(self, embed_dim, num_heads, *, kdim=None, vdim=None, bias=True, num_kv_heads=None,
-                 dtype=np.float32, seed=None, batch_first=True):
+    def __init__(
+        self,
+        embed_dim,
+        num_heads,
+        *,
+        kdim=None,
+        vdim=None,
+        bias=True,
+        num_kv_heads=None,
+        dtype=np.float32,
+        seed=None,
+        batch_first=True,
+    ):
         self.batch_first = check_batch_first(batch_first)
         dtype = np.dtype(dtype)
         if dtype not in COMPUTE_DTYPES:
@@ -426,7 +577,9 @@ class MultiHeadAttention:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads if num_kv_heads is not None else num_heads
         if not isinstance(num_heads, (int, np.integer)) or num_heads < 1 or self.embed_dim % num_heads:
-            raise ValueError(f"num_heads: must be a positive divisor of embed_dim ({self.embed_dim}), got {num_heads!r}")
+            raise ValueError(
+                f"num_heads: must be a positive divisor of embed_dim ({self.embed_dim}), got {num_heads!r}"
+            )
         head_dim = self.embed_dim // num_heads
         kv_width = self.num_kv_heads * head_dim
         rng = np.random.default_rng(seed)
@@ -461,15 +614,39 @@ class MultiHeadAttention:
             ``in_proj_bias``, ``out_proj.weight``, ``out_proj.bias``; NumPy arrays or torch
             tensors of the layer's dtype. Unknown keys (``bias_k``, ``bias_v``) raise ValueError.
         """
-        known = {"in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight", "v_proj_weight",
-                 "out_proj.weight", "out_proj.bias"}
+        known = {
+            "in_proj_weight",
+            "in_proj_bias",
+            "q_proj_weight",
+            "k_proj_weight",
+            "v_proj_weight",
+            "out_proj.weight",
+            "out_proj.bias",
+        }
         unknown = set(state_dict) - known
         if unknown:
-            raise ValueError(f"state_dict: unsupported keys {sorted(unknown)} (bias_k/bias_v/add_zero_attn are not supported)")
+            raise ValueError(
+                f"state_dict: unsupported keys {sorted(unknown)} (bias_k/bias_v/add_zero_attn are not supported)"
+            )
         get = state_dict.get
-        w = _resolve_weights(self.embed_dim, self.kdim, self.vdim, self.num_heads, self.num_kv_heads, self.dtype,
-                             get("in_proj_weight"), get("in_proj_bias"), get("q_proj_weight"), get("k_proj_weight"),
-                             get("v_proj_weight"), None, None, None, get("out_proj.weight"), get("out_proj.bias"))
+        w = _resolve_weights(
+            self.embed_dim,
+            self.kdim,
+            self.vdim,
+            self.num_heads,
+            self.num_kv_heads,
+            self.dtype,
+            get("in_proj_weight"),
+            get("in_proj_bias"),
+            get("q_proj_weight"),
+            get("k_proj_weight"),
+            get("v_proj_weight"),
+            None,
+            None,
+            None,
+            get("out_proj.weight"),
+            get("out_proj.bias"),
+        )
         self._weights = w
         self._has_in_proj = get("in_proj_weight") is not None
         self._has_bias = get("in_proj_bias") is not None or get("out_proj.bias") is not None
@@ -490,8 +667,10 @@ class MultiHeadAttention:
         else:
             d["q_proj_weight"], d["k_proj_weight"], d["v_proj_weight"] = w.q.copy(), w.k.copy(), w.v.copy()
         if w.bq is not None or w.bk is not None or w.bv is not None:
-            parts = [b if b is not None else np.zeros(n, self.dtype)
-                     for b, n in ((w.bq, w.q.shape[0]), (w.bk, w.k.shape[0]), (w.bv, w.v.shape[0]))]
+            parts = [
+                b if b is not None else np.zeros(n, self.dtype)
+                for b, n in ((w.bq, w.q.shape[0]), (w.bk, w.k.shape[0]), (w.bv, w.v.shape[0]))
+            ]
             d["in_proj_bias"] = np.concatenate(parts)
         d["out_proj.weight"] = w.o.copy()
         if w.bo is not None:
@@ -532,8 +711,21 @@ class MultiHeadAttention:
         return layer
 
     @classmethod
-    def from_linear_weights(cls, q_weight, k_weight, v_weight, o_weight, q_bias=None, k_bias=None, v_bias=None,
-                            o_bias=None, *, num_heads, num_kv_heads=None, batch_first=True):
+    def from_linear_weights(
+        cls,
+        q_weight,
+        k_weight,
+        v_weight,
+        o_weight,
+        q_bias=None,
+        k_bias=None,
+        v_bias=None,
+        o_bias=None,
+        *,
+        num_heads,
+        num_kv_heads=None,
+        batch_first=True,
+    ):
         """A layer from separate q/k/v/o linear layers (BERT/GPT style).
 
         Parameters
@@ -558,8 +750,24 @@ class MultiHeadAttention:
         layer.num_heads = num_heads
         layer.num_kv_heads = num_kv_heads if num_kv_heads is not None else num_heads
         layer.dtype = q_weight.dtype
-        w = _resolve_weights(layer.embed_dim, layer.kdim, layer.vdim, num_heads, layer.num_kv_heads, layer.dtype,
-                             None, None, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, o_weight, o_bias)
+        w = _resolve_weights(
+            layer.embed_dim,
+            layer.kdim,
+            layer.vdim,
+            num_heads,
+            layer.num_kv_heads,
+            layer.dtype,
+            None,
+            None,
+            q_weight,
+            k_weight,
+            v_weight,
+            q_bias,
+            k_bias,
+            v_bias,
+            o_weight,
+            o_bias,
+        )
         layer._weights = w
         layer._has_in_proj = layer.kdim == layer.embed_dim and layer.vdim == layer.embed_dim
         layer._has_bias = any(b is not None for b in (q_bias, k_bias, v_bias, o_bias))
@@ -567,9 +775,22 @@ class MultiHeadAttention:
         return layer
 
     # -- forward --------------------------------------------------------------------------------
-    def __call__(self, query, key=None, value=None, *, attn_mask=None, key_padding_mask=None, is_causal=False,
-                 need_weights=False, average_attn_weights=True, kv_cache=None, num_new=None, left_padded=False,
-                 num_threads=None):
+    def __call__(
+        self,
+        query,
+        key=None,
+        value=None,
+        *,
+        attn_mask=None,
+        key_padding_mask=None,
+        is_causal=False,
+        need_weights=False,
+        average_attn_weights=True,
+        kv_cache=None,
+        num_new=None,
+        left_padded=False,
+        num_threads=None,
+    ):
         """The layer's forward pass: ``pyattn.mha`` with this layer's weights and batch_first.
 
         Parameters
@@ -583,10 +804,27 @@ average_attn_weights, kv_cache, num_new, left_padded, num_threads
         out : ndarray
             Or ``(out, weights)`` with need_weights, as in :func:`pyattn.mha`.
         """
-        return _forward(self._weights, query, key, value, attn_mask, key_padding_mask, is_causal, need_weights,
-                        average_attn_weights, num_threads, kv_cache, num_new, left_padded, self.batch_first)
+        return _forward(
+            self._weights,
+            query,
+            key,
+            value,
+            attn_mask,
+            key_padding_mask,
+            is_causal,
+            need_weights,
+            average_attn_weights,
+            num_threads,
+            kv_cache,
+            num_new,
+            left_padded,
+            self.batch_first,
+        )
 
     def __repr__(self):
-        return (f"MultiHeadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
-                f"num_kv_heads={self.num_kv_heads}, kdim={self.kdim}, vdim={self.vdim}, dtype={self.dtype}"
-                + ("" if self.batch_first else ", batch_first=False") + ")")
+        return (
+            f"MultiHeadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+            f"num_kv_heads={self.num_kv_heads}, kdim={self.kdim}, vdim={self.vdim}, dtype={self.dtype}"
+            + ("" if self.batch_first else ", batch_first=False")
+            + ")"
+        )
