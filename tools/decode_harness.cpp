@@ -161,7 +161,8 @@ int main(int argc, char** argv) {
     auto as_stored = [&](const std::vector<float>& x, const uint16_t* bits) {  // 16-bit values widened back
       std::vector<float> seen(x);
       for (size_t i = 0; half && i < x.size(); ++i)
-        seen[i] = storage == Storage::f16 ? PYATTN_ISA_NS::half_to_float(bits[i]) : PYATTN_ISA_NS::bf16_to_float(bits[i]);
+        seen[i] =
+            storage == Storage::f16 ? PYATTN_ISA_NS::half_to_float(bits[i]) : PYATTN_ISA_NS::bf16_to_float(bits[i]);
       return seen;
     };
     const std::vector<float> k_seen = as_stored(k, k16.data), v_seen = as_stored(v, v16.data);
@@ -190,10 +191,11 @@ int main(int argc, char** argv) {
     seconds[static_cast<size_t>(n)] = (harness::thread_seconds() - t0) / double(batch);
   }
   auto per_row = [&](double q) { return harness::quantile(seconds, q) / double(kv_len) * 1e9; };
-  std::printf("%s %s rows %lld kv_len %lld prefetch %d streams %d fuse %d: ns per key row min %.2f p25 %.2f median %.2f (out[0][0] = %.6g)\n",
-              PYATTN_ISA_NAME, storage_name.c_str(), static_cast<long long>(rows), static_cast<long long>(kv_len),
-              int(plan.prefetch_kv) + int(plan.prefetch_kv && plan.prefetch_to_l1), plan.streams, int(plan.fuse),
-              per_row(0), per_row(0.25), per_row(0.5),
-              double(acc.data[0] / l.data[0]));
+  std::printf(
+      "%s %s rows %lld kv_len %lld prefetch %d streams %d fuse %d: ns per key row min %.2f p25 %.2f median %.2f "
+      "(out[0][0] = %.6g)\n",
+      PYATTN_ISA_NAME, storage_name.c_str(), static_cast<long long>(rows), static_cast<long long>(kv_len),
+      int(plan.prefetch_kv) + int(plan.prefetch_kv && plan.prefetch_to_l1), plan.streams, int(plan.fuse), per_row(0),
+      per_row(0.25), per_row(0.5), double(acc.data[0] / l.data[0]));
   return 0;
 }

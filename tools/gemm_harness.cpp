@@ -93,7 +93,8 @@ int main(int argc, char** argv) {
   g.m = m;
   g.n = n;
   g.k = k;
-  const int64_t rows_per_task = (std::getenv("TILES") ? std::atoll(std::getenv("TILES")) : 16) * int64_t(ks.gemm_rows);  // gemm.cpp: kTilesPerTask register tiles
+  const int64_t rows_per_task = (std::getenv("TILES") ? std::atoll(std::getenv("TILES")) : 16) *
+                                int64_t(ks.gemm_rows);  // gemm.cpp: kTilesPerTask register tiles
   auto kernel_call = [&] {
     for (int64_t r0 = 0; r0 < m; r0 += rows_per_task)
       for (int64_t p = 0; p < panels; ++p) ks.gemm(g, r0, std::min(m, r0 + rows_per_task), p, p + 1);
@@ -101,7 +102,8 @@ int main(int argc, char** argv) {
   auto plain_call = [&] {
     for (int64_t r0 = 0; r0 < m; r0 += rows_per_task)
       for (int64_t p = 0; p < panels; ++p)
-        for (int64_t i = r0; i < std::min(m, r0 + rows_per_task); i += kRows) plain_tile(a, k, packed, c_plain, n_padded, i, p);
+        for (int64_t i = r0; i < std::min(m, r0 + rows_per_task); i += kRows)
+          plain_tile(a, k, packed, c_plain, n_padded, i, p);
   };
   kernel_call();
   plain_call();
@@ -149,10 +151,11 @@ int main(int argc, char** argv) {
     ratio.push_back(kernel.back() / plain.back());
   }
   using harness::quantile;
-  std::printf("%s %lldx%lldx%lld, tile %dx%d: %% of FMA peak: kernel median %.1f [p25 %.1f p75 %.1f], plain tile %.1f "
-              "| kernel / plain per sample pair: median %.3f [p25 %.3f p75 %.3f] (%zu pairs)\n",
-              PYATTN_ISA_NAME, (long long)m, (long long)n, (long long)k, kRows, kVecs, 100 * quantile(kernel, 0.5),
-              100 * quantile(kernel, 0.25), 100 * quantile(kernel, 0.75), 100 * quantile(plain, 0.5),
-              quantile(ratio, 0.5), quantile(ratio, 0.25), quantile(ratio, 0.75), kernel.size());
+  std::printf(
+      "%s %lldx%lldx%lld, tile %dx%d: %% of FMA peak: kernel median %.1f [p25 %.1f p75 %.1f], plain tile %.1f "
+      "| kernel / plain per sample pair: median %.3f [p25 %.3f p75 %.3f] (%zu pairs)\n",
+      PYATTN_ISA_NAME, (long long)m, (long long)n, (long long)k, kRows, kVecs, 100 * quantile(kernel, 0.5),
+      100 * quantile(kernel, 0.25), 100 * quantile(kernel, 0.75), 100 * quantile(plain, 0.5), quantile(ratio, 0.5),
+      quantile(ratio, 0.25), quantile(ratio, 0.75), kernel.size());
   return 0;
 }

@@ -93,8 +93,10 @@ int main(int argc, char** argv) {
     double err = 0;
     for (const int64_t i : harness::sampled_rows(q_len, kv_len * dim)) {
       const int64_t keys = causal ? std::min(kv_len, i + 1) : kv_len;
-      const std::vector<double> want = harness::reference_row(&q[size_t(i * dim)], k.data(), v.data(), keys, dim, dim, a.scale);
-      for (int64_t e = 0; e < dim; ++e) err = std::max(err, std::fabs(double(out[size_t(i * dim + e)]) - want[size_t(e)]));
+      const std::vector<double> want =
+          harness::reference_row(&q[size_t(i * dim)], k.data(), v.data(), keys, dim, dim, a.scale);
+      for (int64_t e = 0; e < dim; ++e)
+        err = std::max(err, std::fabs(double(out[size_t(i * dim + e)]) - want[size_t(e)]));
     }
     if (!harness::agrees(err, harness::kMaxError, "|out - float64 reference|")) return 1;
   }
@@ -119,10 +121,11 @@ int main(int argc, char** argv) {
     ratios.push_back(rate / peak);
   }
   using harness::quantile;
-  std::printf("%s q %lld kv %lld dim %lld%s: GFLOP/s median %.1f max %.1f | FMA peak median %.1f | %% of peak per sample: "
-              "median %.1f p75 %.1f [%zu samples] out[0]=%.6g\n",
-              PYATTN_ISA_NAME, (long long)q_len, (long long)kv_len, (long long)dim, causal ? " causal" : "",
-              quantile(rates, 0.5), quantile(rates, 1), quantile(peaks, 0.5), 100.0 * quantile(ratios, 0.5),
-              100.0 * quantile(ratios, 0.75), rates.size(), double(out[0]));
+  std::printf(
+      "%s q %lld kv %lld dim %lld%s: GFLOP/s median %.1f max %.1f | FMA peak median %.1f | %% of peak per sample: "
+      "median %.1f p75 %.1f [%zu samples] out[0]=%.6g\n",
+      PYATTN_ISA_NAME, (long long)q_len, (long long)kv_len, (long long)dim, causal ? " causal" : "",
+      quantile(rates, 0.5), quantile(rates, 1), quantile(peaks, 0.5), 100.0 * quantile(ratios, 0.5),
+      100.0 * quantile(ratios, 0.75), rates.size(), double(out[0]));
   return 0;
 }

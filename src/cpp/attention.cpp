@@ -136,9 +136,14 @@ constexpr size_t kKeyStride = 2 * kCacheLine / sizeof(int64_t);
 
 template <class T>
 TileRun<T>::TileRun(const AttnArgs<T>& a, const KernelSet<T>& ks, const Tuning& tuning, int threads_wanted)
-    : a_(a), ks_(ks), l_(tile_layout(a, ks)), plan_(plan_tiles(tile_facts(a, l_, threads_wanted), tuning)),
-      tile_group_(plan_.pairs ? a.num_heads : a.group), sub_groups_(ceil_div(tile_group_, plan_.group_heads)),
-      tasks_(a.batch_heads / tile_group_ * sub_groups_ * l_.q_blocks), items_(tasks_ * l_.split.count),
+    : a_(a),
+      ks_(ks),
+      l_(tile_layout(a, ks)),
+      plan_(plan_tiles(tile_facts(a, l_, threads_wanted), tuning)),
+      tile_group_(plan_.pairs ? a.num_heads : a.group),
+      sub_groups_(ceil_div(tile_group_, plan_.group_heads)),
+      tasks_(a.batch_heads / tile_group_ * sub_groups_ * l_.q_blocks),
+      items_(tasks_ * l_.split.count),
       threads_(threads_for(a.fmas(), threads_wanted, items_)),
       scratch_(l_.st_elems + l_.kv_elems + size_t(plan_.group_heads) * (l_.qt_elems + l_.sstate), threads_),
       next_items_(plan_.prefetch_items ? size_t(threads_) : 0),
@@ -253,8 +258,10 @@ void TileRun<T>::run_item(int64_t n, int64_t next) {
   }
   // As few row vectors as hold the tile's rows: a short block computes no padding vectors.
   const int64_t bm = std::min(l_.block_rows, ceil_div(t.rows, int64_t(ks_.lanes)) * ks_.lanes);
-  if (heads > 1) ks_.attend_group(args, plan_, t, heads, bm, s);
-  else ks_.attend(args, plan_, t, bm, s[0]);
+  if (heads > 1)
+    ks_.attend_group(args, plan_, t, heads, bm, s);
+  else
+    ks_.attend(args, plan_, t, bm, s[0]);
   if (s[0].next_item) s[0].next_item->finish();  // what the score steps left (a causal tile skips keys)
   if (l_.split.count > 1) {
     for (int64_t h = 0; h < heads; ++h)
@@ -287,8 +294,10 @@ void TileRun<T>::merge(int64_t task) {
 template <class T>
 void TileRun<T>::run() {
   // Claiming ahead only where it is used: elsewhere each item is claimed when its thread is free.
-  if (plan_.prefetch_items) parallel_for_ahead(items_, threads_, [this](int64_t n, int64_t next) { run_item(n, next); });
-  else parallel_for(items_, threads_, [this](int64_t n) { run_item(n, -1); });
+  if (plan_.prefetch_items)
+    parallel_for_ahead(items_, threads_, [this](int64_t n, int64_t next) { run_item(n, next); });
+  else
+    parallel_for(items_, threads_, [this](int64_t n) { run_item(n, -1); });
   if (l_.split.count > 1) parallel_for(tasks_, threads_, [this](int64_t task) { merge(task); });
 }
 

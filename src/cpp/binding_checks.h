@@ -58,7 +58,9 @@ inline int64_t checked_add(int64_t a, int64_t b) {
 // Python's repr/str of an object, and the name of its type, for messages.
 inline std::string repr_of(py::handle obj) { return py::repr(obj).cast<std::string>(); }
 inline std::string str_of(py::handle obj) { return py::str(obj).cast<std::string>(); }
-inline std::string type_name(py::handle obj) { return py::str(py::type::handle_of(obj).attr("__name__")).cast<std::string>(); }
+inline std::string type_name(py::handle obj) {
+  return py::str(py::type::handle_of(obj).attr("__name__")).cast<std::string>();
+}
 inline std::string tuple_repr(const int64_t* dims, size_t n) {
   py::list items;
   for (size_t i = 0; i < n; ++i) items.append(dims[i]);
@@ -132,9 +134,10 @@ inline py::array array_on_line(const py::dtype& dtype, const Dims& shape, const 
   // Zero-filled memory through np.zeros (calloc: pages stay untouched until written, which matters
   // for a KV cache sized for its longest sequence), else uninitialised.
   py::ssize_t nbytes = py::ssize_t(bytes);
-  PyObject* r = zero ? PyObject_CallFunction(py::module_::import("numpy").attr("zeros").ptr(), "ns", nbytes, "uint8")
-                     : api.PyArray_NewFromDescr_(api.PyArray_Type_, api.PyArray_DescrFromType_(py::detail::npy_api::NPY_UBYTE_),
-                                                 1, &nbytes, nullptr, nullptr, 0, nullptr);
+  PyObject* r =
+      zero ? PyObject_CallFunction(py::module_::import("numpy").attr("zeros").ptr(), "ns", nbytes, "uint8")
+           : api.PyArray_NewFromDescr_(api.PyArray_Type_, api.PyArray_DescrFromType_(py::detail::npy_api::NPY_UBYTE_),
+                                       1, &nbytes, nullptr, nullptr, 0, nullptr);
   if (r == nullptr) {
     if (!PyErr_ExceptionMatches(PyExc_MemoryError)) throw py::error_already_set();
     PyErr_Clear();
@@ -143,16 +146,17 @@ inline py::array array_on_line(const py::dtype& dtype, const Dims& shape, const 
   }
   py::array raw = py::reinterpret_steal<py::array>(r);
   const uintptr_t address = reinterpret_cast<uintptr_t>(raw.data());
-  uint8_t* const first = static_cast<uint8_t*>(raw.mutable_data()) + (kCacheLine - address % kCacheLine) % kCacheLine + start;
+  uint8_t* const first =
+      static_cast<uint8_t*>(raw.mutable_data()) + (kCacheLine - address % kCacheLine) % kCacheLine + start;
   py::ssize_t dims[kMaxDims];
   for (size_t i = 0; i < shape.size(); ++i) dims[i] = py::ssize_t(shape[i]);
   // The view: NumPy's descriptor reference is stolen by PyArray_NewFromDescr; the base is stolen by
   // PyArray_SetBaseObject.
-  py::object view = py::reinterpret_steal<py::object>(api.PyArray_NewFromDescr_(
-      api.PyArray_Type_, dtype.inc_ref().ptr(), int(shape.size()), dims, nullptr, first,
-      py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_ | py::detail::npy_api::NPY_ARRAY_ALIGNED_ |
-          py::detail::npy_api::NPY_ARRAY_WRITEABLE_,
-      nullptr));
+  py::object view = py::reinterpret_steal<py::object>(
+      api.PyArray_NewFromDescr_(api.PyArray_Type_, dtype.inc_ref().ptr(), int(shape.size()), dims, nullptr, first,
+                                py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_ | py::detail::npy_api::NPY_ARRAY_ALIGNED_ |
+                                    py::detail::npy_api::NPY_ARRAY_WRITEABLE_,
+                                nullptr));
   if (!view) throw py::error_already_set();
   if (api.PyArray_SetBaseObject_(view.ptr(), raw.release().ptr()) != 0) throw py::error_already_set();
   return py::reinterpret_steal<py::array>(view.release());
@@ -176,8 +180,10 @@ inline Extent extent_of(const py::array& arr) {
     const int64_t n = arr.shape(d), st = arr.strides(d);
     if (n == 0) e.empty = true;
     const int64_t span = checked_mul(n > 0 ? n - 1 : 0, st);
-    if (span < 0) lo = checked_add(lo, span);
-    else hi = checked_add(hi, span);
+    if (span < 0)
+      lo = checked_add(lo, span);
+    else
+      hi = checked_add(hi, span);
   }
   e.lo = lo;
   e.hi = checked_add(hi, arr.itemsize());
@@ -187,7 +193,7 @@ inline Extent extent_of(const py::array& arr) {
 // Checks that for every bh, the 2-D block base + off[bh] + r*stride_r + c*stride_c (r < rows,
 // c < cols, elements of `itemsize` bytes) lies inside `arr`.
 inline void check_block(const char* name, const py::array& arr, const int64_t* off, int64_t count, int64_t rows,
-                 int64_t stride_r, int64_t cols, int64_t stride_c) {
+                        int64_t stride_r, int64_t cols, int64_t stride_c) {
   if (rows == 0 || cols == 0 || count == 0) return;
   const Extent e = extent_of(arr);
   if (e.empty) fail(std::string(name) + ": empty array cannot supply the requested rows");
@@ -235,7 +241,8 @@ inline FloatKind float_kind(const py::dtype& dt) {
   if (dt.equal(py::reinterpret_borrow<py::dtype>(f32))) return FloatKind::f32;
   if (dt.equal(py::reinterpret_borrow<py::dtype>(f64))) return FloatKind::f64;
   if (dt.equal(py::reinterpret_borrow<py::dtype>(f16))) return FloatKind::f16;
-  if (dt.itemsize() == 2 && dt.kind() == 'V' && str_of(dt.attr("name")) == "bfloat16" && dt.attr("isnative").cast<bool>()) {
+  if (dt.itemsize() == 2 && dt.kind() == 'V' && str_of(dt.attr("name")) == "bfloat16" &&
+      dt.attr("isnative").cast<bool>()) {
     if (bf16 == nullptr) bf16 = py::object(dt).release().ptr();
     return FloatKind::bf16;
   }
@@ -268,7 +275,8 @@ inline int parse_threads(py::handle obj) {
   const bool exact_int = PyLong_CheckExact(obj.ptr());
   if (!exact_int && (PyBool_Check(obj.ptr()) || is_numpy_bool(obj) || !is_instance_of(obj, Abc::integral)))
     type_fail("num_threads: expected an int or None, got " + type_name(obj));
-  const py::int_ value = exact_int ? py::reinterpret_borrow<py::int_>(obj) : py::int_(py::reinterpret_steal<py::object>(PyNumber_Index(obj.ptr())));
+  const py::int_ value = exact_int ? py::reinterpret_borrow<py::int_>(obj)
+                                   : py::int_(py::reinterpret_steal<py::object>(PyNumber_Index(obj.ptr())));
   int overflow = 0;
   const long long n = PyLong_AsLongLongAndOverflow(value.ptr(), &overflow);
   if (overflow > 0 || n > INT_MAX) return INT_MAX;
@@ -292,7 +300,9 @@ inline Causal parse_causal(py::handle obj) {
 }
 
 // The causal offset of an alignment: query i sees keys j <= i + offset.
-inline int64_t causal_offset(Causal c, int64_t q_len, int64_t kv_len) { return c == Causal::lower_right ? kv_len - q_len : 0; }
+inline int64_t causal_offset(Causal c, int64_t q_len, int64_t kv_len) {
+  return c == Causal::lower_right ? kv_len - q_len : 0;
+}
 
 // scale: None -> 1/sqrt(head_dim) (1 for head_dim 0), else any finite real number.
 inline double parse_scale(py::handle obj, int64_t head_dim) {
@@ -359,7 +369,8 @@ inline void check_aligned(const char* name, const py::array& arr) {
   if (reinterpret_cast<uintptr_t>(arr.data()) % uintptr_t(item) != 0)
     fail(std::string(name) + ": data pointer is not aligned to its element size");
   for (py::ssize_t d = 0; d < arr.ndim(); ++d)
-    if (arr.shape(d) > 1 && arr.strides(d) % item != 0) fail(std::string(name) + ": strides must be multiples of the element size");
+    if (arr.shape(d) > 1 && arr.strides(d) % item != 0)
+      fail(std::string(name) + ": strides must be multiples of the element size");
 }
 
 inline void check_output(const char* name, const py::array& arr, const py::dtype& dt, int64_t expected_size) {
@@ -378,9 +389,12 @@ MaskSlot mask_slot(const char* name, const py::object& obj, const py::dtype& dt,
   MaskSlot m;
   if (obj.is_none()) return m;
   const py::array mask = py::reinterpret_borrow<py::array>(obj);
-  if (is_bool(mask)) m.kind = MaskKind::boolean;
-  else if (same_dtype(mask.dtype(), dt)) m.kind = MaskKind::additive;
-  else fail(std::string(name) + ": dtype must be bool or the inputs' dtype");
+  if (is_bool(mask))
+    m.kind = MaskKind::boolean;
+  else if (same_dtype(mask.dtype(), dt))
+    m.kind = MaskKind::additive;
+  else
+    fail(std::string(name) + ": dtype must be bool or the inputs' dtype");
   check_aligned(name, mask);
   check_block(name, mask, offset, batch_heads, q_len, stride_l, kv_len, stride_s);
   m.data = mask.data();

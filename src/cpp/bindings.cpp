@@ -31,7 +31,8 @@ PYBIND11_MODULE(_core, m) {
   bind_mha(m);
   m.def(
       "empty_on_line",
-      [](const py::dtype& dtype, const std::vector<py::ssize_t>& shape, const std::string& name, int64_t start, bool zero) {
+      [](const py::dtype& dtype, const std::vector<py::ssize_t>& shape, const std::string& name, int64_t start,
+         bool zero) {
         if (start < 0 || start >= int64_t(kCacheLine) || start % dtype.itemsize() != 0)
           fail("start: expected a multiple of the element size in [0, 64)");
         return array_on_line(dtype, shape, name.c_str(), start, zero);
@@ -51,15 +52,20 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "_convert_half",
       [](const py::array& src, const py::array& dst, int threads, bool bfloat16) {
-        const bool widen = same_dtype(src.dtype(), py::dtype::of<uint16_t>()) && same_dtype(dst.dtype(), py::dtype::of<float>());
-        const bool narrow = same_dtype(src.dtype(), py::dtype::of<float>()) && same_dtype(dst.dtype(), py::dtype::of<uint16_t>());
-        if (!widen && !narrow) throw py::type_error("_convert_half: expected uint16 -> float32 or float32 -> uint16 arrays");
+        const bool widen =
+            same_dtype(src.dtype(), py::dtype::of<uint16_t>()) && same_dtype(dst.dtype(), py::dtype::of<float>());
+        const bool narrow =
+            same_dtype(src.dtype(), py::dtype::of<float>()) && same_dtype(dst.dtype(), py::dtype::of<uint16_t>());
+        if (!widen && !narrow)
+          throw py::type_error("_convert_half: expected uint16 -> float32 or float32 -> uint16 arrays");
         if (!(src.flags() & py::array::c_style) || !(dst.flags() & py::array::c_style) || !dst.writeable())
           throw py::value_error("_convert_half: src and dst must be C-contiguous, dst writeable");
         if (src.size() != dst.size()) throw py::value_error("_convert_half: src and dst must have the same size");
         // The scalar tails read and write whole elements: a float16 view at an odd address would be a
         // misaligned access (undefined behaviour; UBSan stops there).
-        auto aligned = [](const py::array& x) { return reinterpret_cast<uintptr_t>(x.data()) % size_t(x.itemsize()) == 0; };
+        auto aligned = [](const py::array& x) {
+          return reinterpret_cast<uintptr_t>(x.data()) % size_t(x.itemsize()) == 0;
+        };
         const int64_t n = int64_t(src.size());
         if (n > 0 && (!aligned(src) || !aligned(dst)))  // NumPy calls an empty array aligned wherever it points
           throw py::value_error("_convert_half: src and dst must be aligned to their element size");

@@ -73,7 +73,8 @@ template <class T>
 const T* optional_bias(const char* name, const py::object& obj, int64_t n) {
   if (obj.is_none()) return nullptr;
   const py::array b = py::reinterpret_borrow<py::array>(obj);
-  if (!same_dtype(b.dtype(), py::dtype::of<T>()) || b.ndim() != 1 || b.shape(0) != n || !(b.flags() & py::array::c_style))
+  if (!same_dtype(b.dtype(), py::dtype::of<T>()) || b.ndim() != 1 || b.shape(0) != n ||
+      !(b.flags() & py::array::c_style))
     fail(std::string(name) + ": expected a contiguous 1-D array of " + std::to_string(n) + " elements");
   return static_cast<const T*>(b.data());
 }
@@ -102,7 +103,8 @@ void linear_t(const py::array& x, const py::array& packed, int64_t panel, int64_
   if (x.ndim() != 2 || out.ndim() != 2) fail("x and out must be 2-D");
   const int64_t m = x.shape(0), k = x.shape(1);
   if (out.shape(0) != m || out.shape(1) != n) fail("out: shape must be (m, n)");
-  if (!same_dtype(packed.dtype(), x.dtype()) || !same_dtype(out.dtype(), x.dtype())) fail("packed and out must share x's dtype");
+  if (!same_dtype(packed.dtype(), x.dtype()) || !same_dtype(out.dtype(), x.dtype()))
+    fail("packed and out must share x's dtype");
   if (packed.ndim() != 2 && panel != ks.gemm_panel) fail("packed weight was packed for another ISA; pack it again");
   const Projection<T> p = projection<T>("packed", packed, "bias", bias_obj, n, k);  // packed, or W itself
   GemmArgs<T> g;
@@ -140,7 +142,8 @@ void check_layer_dims(const std::vector<int64_t>& dims, int64_t num_heads, int64
   if (num_heads < 1 || num_kv_heads < 1 || num_heads % num_kv_heads != 0)
     fail("num_heads must be a positive multiple of num_kv_heads");
   // num_heads >= 1 and head_dim >= 0 here; a product past int64 never equals embed_dim.
-  if (head_dim > INT64_MAX / num_heads || num_heads * head_dim != embed_dim) fail("num_heads * head_dim must equal embed_dim");
+  if (head_dim > INT64_MAX / num_heads || num_heads * head_dim != embed_dim)
+    fail("num_heads * head_dim must equal embed_dim");
 }
 
 // The layer's weights tuple (q, k, v, out projections, each packed or not, then their optional
@@ -266,7 +269,8 @@ void run_mha_cached(const py::array& x, const py::tuple& w, const std::vector<in
   const py::dtype stored = storage == Storage::same ? py::dtype::of<T>() : py::dtype::of<uint16_t>();
   const std::vector<int64_t> ks = cache_array("k_cache", k_cache, stored, m.batch, m.num_kv_heads, m.head_dim);
   const std::vector<int64_t> vs = cache_array("v_cache", v_cache, stored, m.batch, m.num_kv_heads, m.head_dim);
-  if (ks != vs || k_cache.shape(2) != v_cache.shape(2)) fail("k_cache and v_cache must have the same shape and strides");
+  if (ks != vs || k_cache.shape(2) != v_cache.shape(2))
+    fail("k_cache and v_cache must have the same shape and strides");
   const int64_t max_len = k_cache.shape(2);
   m.k_cache = k_cache.mutable_data();
   m.v_cache = v_cache.mutable_data();
@@ -289,8 +293,8 @@ void run_mha_cached(const py::array& x, const py::tuple& w, const std::vector<in
 }
 
 void mha_cached_py(const py::array& x, const py::tuple& w, const std::vector<int64_t>& dims, py::array k_cache,
-                   py::array v_cache, int storage, const py::array& before, const py::array& after,
-                   bool left_padded, py::array out, py::handle num_threads) {
+                   py::array v_cache, int storage, const py::array& before, const py::array& after, bool left_padded,
+                   py::array out, py::handle num_threads) {
   if (dims.size() != 6) fail("dims must have 6 entries");
   if (storage < 0 || storage > 2) fail("storage must be 0 (same), 1 (float16) or 2 (bfloat16)");
   const int threads = parse_threads(num_threads);
@@ -313,7 +317,8 @@ void bind_mha(py::module_& m) {
   m.def("linear", &linear_py, py::arg("x"), py::arg("packed"), py::arg("panel"), py::arg("n"), py::arg("bias"),
         py::arg("out"), py::arg("num_threads"), "out = x @ W.T + bias with W packed by pack_weights.");
   m.def("mha", &mha_py, py::arg("xq"), py::arg("xk"), py::arg("xv"), py::arg("weights"), py::arg("dims"),
-        py::arg("masks"), py::arg("is_causal"), py::arg("out"), py::arg("attn_weights"), py::arg("num_threads"), "Low-level multi-head attention entry; arguments prepared by pyattn._mha.");
+        py::arg("masks"), py::arg("is_causal"), py::arg("out"), py::arg("attn_weights"), py::arg("num_threads"),
+        "Low-level multi-head attention entry; arguments prepared by pyattn._mha.");
   m.def("mha_cached", &mha_cached_py, py::arg("x"), py::arg("weights"), py::arg("dims"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("storage"), py::arg("lengths_before"), py::arg("lengths_after"),
         py::arg("left_padded"), py::arg("out"), py::arg("num_threads"),

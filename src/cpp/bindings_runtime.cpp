@@ -53,11 +53,11 @@ void apply_env_isa() {
   const char* env = std::getenv("PYATTN_ISA");
   if (!env || !*env) return;
   if (!isa_compiled(env))
-    throw py::import_error("PYATTN_ISA='" + std::string(env) + "' is not an ISA this build of pyattn has; use one of: " +
-                           joined(isa_list()));
+    throw py::import_error("PYATTN_ISA='" + std::string(env) +
+                           "' is not an ISA this build of pyattn has; use one of: " + joined(isa_list()));
   if (!set_isa(env))
-    throw py::import_error("PYATTN_ISA='" + std::string(env) + "' is not supported by this CPU; available: " +
-                           joined(isa_list()));
+    throw py::import_error("PYATTN_ISA='" + std::string(env) +
+                           "' is not supported by this CPU; available: " + joined(isa_list()));
 }
 
 // ---- _set_tuning: the override's fields as Python names and values them ----
@@ -67,7 +67,7 @@ enum class Kind { label, flag, choice, count };
 
 struct Field {
   const char* key;
-  int64_t TuningOverride::*member;
+  int64_t TuningOverride::* member;
   Kind kind;
   std::vector<std::pair<std::string, int64_t>> labels;  // Kind::label: (name, value)
   std::vector<int64_t> choices;                         // Kind::choice
@@ -87,8 +87,12 @@ const std::vector<Field>& fields() {
       {"decode_across_heads", &O::decode_across_heads, Kind::flag, {}, {}},
       {"decode_fuse", &O::decode_fuse, Kind::flag, {}, {}},
       {"packed_mask_limit", &O::packed_mask_limit, Kind::count, {}, {}, 0, kMaxBytes},
-      {"cpu_vendor", &O::cpu_vendor, Kind::label,
-       {{"unknown", int64_t(CpuVendor::unknown)}, {"intel", int64_t(CpuVendor::intel)}, {"amd", int64_t(CpuVendor::amd)}},
+      {"cpu_vendor",
+       &O::cpu_vendor,
+       Kind::label,
+       {{"unknown", int64_t(CpuVendor::unknown)},
+        {"intel", int64_t(CpuVendor::intel)},
+        {"amd", int64_t(CpuVendor::amd)}},
        {}},
       {"cpu_family", &O::cpu_family, Kind::count, {}, {}, 0, 0xfff},
       {"cpu_model", &O::cpu_model, Kind::count, {}, {}, 0, 0xfff},

@@ -36,7 +36,8 @@ py::array float_input(py::handle obj, const char* name) {
   if (!is_ndarray(obj)) type_fail(n + ": expected a NumPy array, got " + type_name(obj));
   py::array x = py::reinterpret_borrow<py::array>(obj);
   if (float_kind(x.dtype()) == FloatKind::other)
-    type_fail(n + ": dtype must be float32, float64, float16 or bfloat16 (native byte order), got " + str_of(x.dtype()));
+    type_fail(n + ": dtype must be float32, float64, float16 or bfloat16 (native byte order), got " +
+              str_of(x.dtype()));
   if (x.ndim() < 2)
     fail(n + ": expected at least 2 dimensions (..., seq_len, dim), got shape " + str_of(x.attr("shape")));
   return x;
@@ -106,14 +107,15 @@ Dims broadcast_batch(const Dims* shapes[3]) {
       int64_t& b = batch[nd - lead + j];
       const int64_t n = s[j];
       if (n == 1) continue;
-      if (b == 1) b = n;
-      else if (b != n) ok = false;
+      if (b == 1)
+        b = n;
+      else if (b != n)
+        ok = false;
     }
   }
   if (!ok) {
     std::string msg = "query, key and value: leading batch dimensions do not broadcast: ";
-    for (int i = 0; i < 3; ++i)
-      msg += (i ? ", " : "") + tuple_repr(shapes[i]->data(), shapes[i]->size() - 3);
+    for (int i = 0; i < 3; ++i) msg += (i ? ", " : "") + tuple_repr(shapes[i]->data(), shapes[i]->size() - 3);
     fail(msg);
   }
   return batch;
@@ -186,13 +188,13 @@ void narrow_into(const py::array& wide, py::array& narrow, FloatKind kind, int t
 
 // Everything the driver needs for one call, with the arrays that keep its memory alive.
 struct Call {
-  py::array q, k, v;              // as the kernels read them (16-bit keys/values as uint16 views)
+  py::array q, k, v;  // as the kernels read them (16-bit keys/values as uint16 views)
   Storage kv_storage = Storage::same;
-  py::object mask = py::none();   // the mask the kernels read, or None
+  py::object mask = py::none();  // the mask the kernels read, or None
   int64_t mask_stride_l = 0, mask_stride_s = 0;
-  py::array out;                  // compute dtype, C-contiguous, element-aligned
+  py::array out;  // compute dtype, C-contiguous, element-aligned
   py::object weights = py::none();
-  std::vector<int64_t> offsets;   // q, k, v, mask offsets per (batch, head): 4 * batch_heads
+  std::vector<int64_t> offsets;  // q, k, v, mask offsets per (batch, head): 4 * batch_heads
   int64_t batch_heads = 0, num_heads = 0, group = 1, q_len = 0, kv_len = 0, head_dim = 0, value_dim = 0;
   int64_t q_stride_l = 0, k_stride_s = 0, v_stride_s = 0;
   bool causal = false;
@@ -265,8 +267,10 @@ void launch(const Call& c) {
 }
 
 void launch(const Call& c, bool float64) {
-  if (float64) launch<double>(c);
-  else launch<float>(c);
+  if (float64)
+    launch<double>(c);
+  else
+    launch<float>(c);
 }
 
 // out=: exactly the result's dtype and shape, C-contiguous, writeable, sharing no memory with an input.
@@ -291,7 +295,8 @@ py::array check_mask(py::handle mask_obj, const py::dtype& dtype, const Dims& ba
   py::array mask = py::reinterpret_borrow<py::array>(mask_obj);
   const bool boolean = mask.dtype().kind() == 'b' && mask.itemsize() == 1;
   if (!boolean && !mask.dtype().is(dtype) && !mask.dtype().equal(dtype))
-    type_fail("attn_mask: dtype must be bool or the query's dtype (" + str_of(dtype) + "), got " + str_of(mask.dtype()));
+    type_fail("attn_mask: dtype must be bool or the query's dtype (" + str_of(dtype) + "), got " +
+              str_of(mask.dtype()));
   Dims full = batch;
   for (int64_t n : {c.num_heads, c.q_len, c.kv_len}) full.push_back(n);
   if (!broadcasts_to(shape_of(mask), full))
@@ -317,7 +322,8 @@ void describe_mask(Call& c, py::array mask, FloatKind kind, const Dims& batch) {
 py::object sdpa(py::handle query, py::handle key, py::handle value, py::handle attn_mask, py::handle is_causal,
                 py::handle scale, py::handle enable_gqa, py::handle return_weights, py::handle out_obj,
                 py::handle num_threads) {
-  const py::array q_in = float_input(query, "query"), k_in = float_input(key, "key"), v_in = float_input(value, "value");
+  const py::array q_in = float_input(query, "query"), k_in = float_input(key, "key"),
+                  v_in = float_input(value, "value");
   const py::dtype dtype = q_in.dtype();
   const FloatKind kind = float_kind(dtype);
   if (float_kind(k_in.dtype()) != kind || float_kind(v_in.dtype()) != kind)
@@ -337,9 +343,11 @@ py::object sdpa(py::handle query, py::handle key, py::handle value, py::handle a
   c.kv_len = tail(ks, 1);
   c.value_dim = tail(vs, 2);
   if (tail(ks, 2) != c.head_dim)
-    fail("key: last dimension must equal query's (" + std::to_string(c.head_dim) + "), got key shape " + tuple_repr(ks));
+    fail("key: last dimension must equal query's (" + std::to_string(c.head_dim) + "), got key shape " +
+         tuple_repr(ks));
   if (tail(vs, 1) != c.kv_len)
-    fail("value: sequence length must equal key's (" + std::to_string(c.kv_len) + "), got value shape " + tuple_repr(vs));
+    fail("value: sequence length must equal key's (" + std::to_string(c.kv_len) + "), got value shape " +
+         tuple_repr(vs));
   if (tail(vs, 0) != num_kv_heads)
     fail("value: number of heads must equal key's (" + std::to_string(num_kv_heads) + "), got value shape " +
          tuple_repr(vs));
@@ -377,11 +385,13 @@ py::object sdpa(py::handle query, py::handle key, py::handle value, py::handle a
   // The outputs first: an impossible size is refused before any copy is made.
   const bool half = is_half(kind);
   const py::dtype compute = half ? py::dtype::of<float>() : dtype;
-  const bool in_place = !out_obj.is_none() && !half &&
-                        reinterpret_cast<uintptr_t>(py::reinterpret_borrow<py::array>(out_obj).data()) % dtype.itemsize() == 0;
+  const bool in_place =
+      !out_obj.is_none() && !half &&
+      reinterpret_cast<uintptr_t>(py::reinterpret_borrow<py::array>(out_obj).data()) % dtype.itemsize() == 0;
   c.out = in_place ? py::reinterpret_borrow<py::array>(out_obj) : array_on_line(compute, out_shape, "out");
   if (want_weights) c.weights = array_on_line(compute, w_shape, "return_weights");
-  const bool nothing_to_do = c.out.size() == 0 && (!want_weights || py::reinterpret_borrow<py::array>(c.weights).size() == 0);
+  const bool nothing_to_do =
+      c.out.size() == 0 && (!want_weights || py::reinterpret_borrow<py::array>(c.weights).size() == 0);
 
   // The operands as the kernels read them.
   if (!nothing_to_do) {
@@ -404,7 +414,8 @@ py::object sdpa(py::handle query, py::handle key, py::handle value, py::handle a
 
   py::object result = c.out, weights = c.weights;
   if (half) {
-    py::array narrow = out_obj.is_none() ? array_on_line(dtype, out_shape, "out") : py::reinterpret_borrow<py::array>(out_obj);
+    py::array narrow =
+        out_obj.is_none() ? array_on_line(dtype, out_shape, "out") : py::reinterpret_borrow<py::array>(out_obj);
     narrow_into(c.out, narrow, kind, c.threads);
     result = narrow;
     if (want_weights) {
@@ -424,8 +435,8 @@ py::object sdpa(py::handle query, py::handle key, py::handle value, py::handle a
 // cache's compute dtype, over its storage (batch, num_kv_heads, max_len, dim) (16-bit storage as
 // uint16 views, storage 1 = float16, 2 = bfloat16), kv_len keys long (the longest row), each batch
 // row b seeing its first lengths[b] keys with query i at position causal_offsets[b] + i.
-py::object sdpa_cache(py::handle query, const py::array& k_store, const py::array& v_store, int storage,
-                      int64_t kv_len, const py::array& lengths, const py::array& causal_offsets, py::handle scale,
+py::object sdpa_cache(py::handle query, const py::array& k_store, const py::array& v_store, int storage, int64_t kv_len,
+                      const py::array& lengths, const py::array& causal_offsets, py::handle scale,
                       py::handle num_threads) {
   if (storage < 0 || storage > 2) fail("storage must be 0 (same), 1 (float16) or 2 (bfloat16)");
   const py::array q_in = float_input(query, "query");

@@ -57,16 +57,18 @@ void attend_decode_heads(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_t
     const int64_t b = n / split.count, j_begin = n % split.count * split.chunk;
     const int64_t j_end = std::min(a.kv_len, j_begin + split.chunk);
     const int id = thread_id();
-    ks.decode_heads(a, b, rows, group, j_begin, j_end, scratch.slice(id),
-                    &states[size_t(n * heads)], &local[size_t(id * heads)], &offsets[size_t(id * 2 * heads)]);
+    ks.decode_heads(a, b, rows, group, j_begin, j_end, scratch.slice(id), &states[size_t(n * heads)],
+                    &local[size_t(id * heads)], &offsets[size_t(id * 2 * heads)]);
   });
   parallel_for(batch * heads, threads, [&](int64_t task) {
     const int64_t b = task / heads, h = task % heads;
-    merge_partials<T>(split.count, [&](int64_t c) { return carve(partials.data() + sstate * size_t(task * split.count + c)); },
-                      lay, rows, a.value_dim, [&a, b, h, group](int64_t r) {
-                        const int64_t bh = b * a.num_heads + h * group + r / a.q_len;
-                        return a.out_rows(bh) + (r % a.q_len) * a.out_stride_l;
-                      });
+    merge_partials<T>(
+        split.count, [&](int64_t c) { return carve(partials.data() + sstate * size_t(task * split.count + c)); }, lay,
+        rows, a.value_dim,
+        [&a, b, h, group](int64_t r) {
+          const int64_t bh = b * a.num_heads + h * group + r / a.q_len;
+          return a.out_rows(bh) + (r % a.q_len) * a.out_stride_l;
+        });
   });
 }
 
@@ -74,7 +76,8 @@ void attend_decode_heads(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_t
 // kInterleavedChunk keys (at most kMaxInterleavedChunks per task), whole decode blocks either way.
 template <class T>
 Split decode_split(const AttnArgs<T>& a, const KernelSet<T>& ks, int64_t tasks, bool interleaved) {
-  if (!interleaved || a.kv_len <= kInterleavedChunk) return split_keys(tasks, a.kv_len, ks.decode_block, kDecodeMinChunk);
+  if (!interleaved || a.kv_len <= kInterleavedChunk)
+    return split_keys(tasks, a.kv_len, ks.decode_block, kDecodeMinChunk);
   const int64_t chunk = std::max(kInterleavedChunk, ceil_div(a.kv_len, kMaxInterleavedChunks));
   const int64_t rounded = ceil_div(chunk, ks.decode_block) * ks.decode_block;
   return Split{ceil_div(a.kv_len, rounded), rounded};
@@ -103,7 +106,8 @@ void attend_decode(const AttnArgs<T>& a, const KernelSet<T>& ks, const Tuning& t
   const int64_t tasks = a.batch_heads / group * row_chunks;
   const bool interleaved = a.kv_heads_interleave();
   const bool whole_vectors = ks.decode_padded(a.head_dim) == a.head_dim && ks.decode_padded(a.value_dim) == a.value_dim;
-  if (interleaved && row_chunks == 1 && whole_vectors && plan.across_heads) return attend_decode_heads(a, ks, num_threads);
+  if (interleaved && row_chunks == 1 && whole_vectors && plan.across_heads)
+    return attend_decode_heads(a, ks, num_threads);
   const Split split = decode_split(a, ks, tasks, interleaved);
   const int64_t items = tasks * split.count;
   const int threads = threads_for(a.fmas(), num_threads, items);
@@ -147,8 +151,9 @@ void attend_decode(const AttnArgs<T>& a, const KernelSet<T>& ks, const Tuning& t
   if (split.count > 1) {
     parallel_for(tasks, threads, [&](int64_t task) {
       const DecodeTile t = tile_of(task);
-      merge_partials<T>(split.count, [&](int64_t c) { return carve(partials->data() + sstate * size_t(task * split.count + c)); },
-                        lay, t.rows, a.value_dim, out_row_of(t));
+      merge_partials<T>(
+          split.count, [&](int64_t c) { return carve(partials->data() + sstate * size_t(task * split.count + c)); },
+          lay, t.rows, a.value_dim, out_row_of(t));
     });
   }
 }

@@ -27,8 +27,8 @@ namespace pyattn {
 namespace {
 
 struct CpuFeatures {
-  bool avx2 = false;     // AVX2 + FMA + F16C, with YMM state enabled by the OS
-  bool avx512 = false;   // AVX-512F, with ZMM/opmask state enabled by the OS
+  bool avx2 = false;    // AVX2 + FMA + F16C, with YMM state enabled by the OS
+  bool avx512 = false;  // AVX-512F, with ZMM/opmask state enabled by the OS
 };
 
 #if defined(PYATTN_X86)
@@ -69,8 +69,8 @@ CpuFeatures probe() {
   const bool fma = (r[2] >> 12) & 1, osxsave = (r[2] >> 27) & 1, avx = (r[2] >> 28) & 1, f16c = (r[2] >> 29) & 1;
   if (!osxsave || !avx) return f;
   const unsigned long long xcr0 = xgetbv0();
-  const bool ymm_state = (xcr0 & 0x6) == 0x6;     // SSE + AVX state
-  const bool zmm_state = (xcr0 & 0xE6) == 0xE6;   // + opmask, ZMM_Hi256, Hi16_ZMM
+  const bool ymm_state = (xcr0 & 0x6) == 0x6;    // SSE + AVX state
+  const bool zmm_state = (xcr0 & 0xE6) == 0xE6;  // + opmask, ZMM_Hi256, Hi16_ZMM
   cpuid(7, 0, r);
   const bool avx2 = (r[1] >> 5) & 1, avx512f = (r[1] >> 16) & 1;
   f.avx2 = avx2 && fma && f16c && ymm_state;
@@ -160,7 +160,8 @@ CacheSizes probe_caches() {
       if (type == 0) break;
       any = true;
       if (type == 2 || lvl < 1 || lvl > 3) continue;  // instruction caches
-      const int64_t size = int64_t((r[1] >> 22) + 1) * (((r[1] >> 12) & 0x3ff) + 1) * ((r[1] & 0xfff) + 1) * (int64_t(r[2]) + 1);
+      const int64_t size =
+          int64_t((r[1] >> 22) + 1) * (((r[1] >> 12) & 0x3ff) + 1) * ((r[1] & 0xfff) + 1) * (int64_t(r[2]) + 1);
       if (size > c.level[lvl]) c.level[lvl] = size;
     }
     if (any) break;

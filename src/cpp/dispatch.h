@@ -8,12 +8,18 @@
 namespace pyattn {
 
 // Per-ISA tables (defined in kernels_<isa>.cpp).
-namespace generic { const KernelTable& kernel_table(); }
+namespace generic {
+const KernelTable& kernel_table();
+}
 #if defined(PYATTN_HAVE_AVX2)
-namespace avx2 { const KernelTable& kernel_table(); }
+namespace avx2 {
+const KernelTable& kernel_table();
+}
 #endif
 #if defined(PYATTN_HAVE_AVX512)
-namespace avx512 { const KernelTable& kernel_table(); }
+namespace avx512 {
+const KernelTable& kernel_table();
+}
 #endif
 
 const KernelTable& active_kernels();
@@ -22,9 +28,13 @@ const KernelTable& active_kernels();
 template <class T>
 const KernelSet<T>& active_set();
 template <>
-inline const KernelSet<float>& active_set<float>() { return active_kernels().f32; }
+inline const KernelSet<float>& active_set<float>() {
+  return active_kernels().f32;
+}
 template <>
-inline const KernelSet<double>& active_set<double>() { return active_kernels().f64; }
+inline const KernelSet<double>& active_set<double>() {
+  return active_kernels().f64;
+}
 const char* active_isa();
 // Names compiled into this build and supported by this CPU, best last; returns the count.
 int available_isas(const char** names, int capacity);

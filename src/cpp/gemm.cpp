@@ -51,8 +51,8 @@ void linear(const GemmArgs<T>& g, int num_threads) {
   const int64_t group = g.m <= 2 ? kShortPanelsPerTask : 1;
   const int64_t groups = ceil_div(panels, group);
   const int64_t tasks = groups * row_blocks;
-  const int threads =
-      threads_for(double(g.m) * double(g.n) * double(g.k), num_threads > 0 ? num_threads : default_num_threads(), tasks);
+  const int threads = threads_for(double(g.m) * double(g.n) * double(g.k),
+                                  num_threads > 0 ? num_threads : default_num_threads(), tasks);
   // W as given (not packed beforehand): each thread packs the panels of its task into its slice of
   // the calling thread's scratch (allocated here, before the parallel region, which no exception
   // may leave), at most `group` panels of k x panel: L2-sized for the k of a layer.
@@ -62,7 +62,8 @@ void linear(const GemmArgs<T>& g, int num_threads) {
   // end.
   const size_t per_thread = as_is ? 0 : size_t(group * g.k * ks.gemm_panel);
   const size_t stride = slice_stride<T>(per_thread);
-  T* const scratch = as_is ? nullptr : grow_only_scratch<PackScratch, T>(std::max<size_t>(1, slices_span<T>(per_thread, threads)));
+  T* const scratch =
+      as_is ? nullptr : grow_only_scratch<PackScratch, T>(std::max<size_t>(1, slices_span<T>(per_thread, threads)));
   auto body = [&](int64_t t) {
     const int64_t rb = t / groups, p0 = t % groups * group, p1 = std::min(panels, p0 + group);
     const int64_t r0 = rb * task_rows, r1 = std::min(g.m, r0 + task_rows);

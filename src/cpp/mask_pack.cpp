@@ -74,7 +74,8 @@ void pack_mask_bits(MaskSlot& m, const KernelSet<T>& ks, int64_t batch_heads, in
   if (bytes + copies * lane_elems * int64_t(sizeof(uint32_t)) <= limit_bytes) {
     p.lane_words.reset(new AlignedBuffer<uint32_t>(size_t(copies * lane_elems)));
     p.lane_offset.resize(size_t(batch_heads));
-    for (int64_t bh = 0; bh < batch_heads; ++bh) p.lane_offset[size_t(bh)] = p.offset[size_t(bh)] / (rows * words) * lane_elems;
+    for (int64_t bh = 0; bh < batch_heads; ++bh)
+      p.lane_offset[size_t(bh)] = p.offset[size_t(bh)] / (rows * words) * lane_elems;
   }
   const int64_t chunks = ceil_div(rows, kPackRows), items = copies * chunks;
   const KernelTable& kt = active_kernels();
@@ -83,8 +84,8 @@ void pack_mask_bits(MaskSlot& m, const KernelSet<T>& ks, int64_t batch_heads, in
     const int64_t d = n / chunks, r0 = n % chunks * kPackRows, at = distinct[size_t(d)] + r0 * m.stride_l;
     const int64_t out = (d * rows + r0) * words, count = std::min(kPackRows, rows - r0);
     if (additive)
-      ks.pack_additive(static_cast<const T*>(m.data) + at, m.stride_l, m.stride_s, count, kv_len,
-                       p.bits->data() + out, p.value_bits->data() + out);
+      ks.pack_additive(static_cast<const T*>(m.data) + at, m.stride_l, m.stride_s, count, kv_len, p.bits->data() + out,
+                       p.value_bits->data() + out);
     else
       kt.pack_mask(static_cast<const uint8_t*>(m.data) + at, m.stride_l, m.stride_s, m.true_forbids, count, kv_len,
                    p.bits->data() + out);

@@ -122,9 +122,8 @@ void multi_head_attention(const MhaArgs<T>& m, int num_threads) {
   project<T>(m.xv, m.xv_stride, kv_rows, m.vdim, m.proj.v, v, kv_width, num_threads);
 
   std::vector<int64_t> q_off, kv_off;
-  AttnArgs<T> a = head_split_attention<T>(q, k, v, m.batch, m.q_len, m.kv_len, m.num_heads, m.num_kv_heads,
-                                          m.head_dim, m.kv_len * kv_width, m.head_dim, kv_width, context, q_off,
-                                          kv_off);
+  AttnArgs<T> a = head_split_attention<T>(q, k, v, m.batch, m.q_len, m.kv_len, m.num_heads, m.num_kv_heads, m.head_dim,
+                                          m.kv_len * kv_width, m.head_dim, kv_width, context, q_off, kv_off);
   a.weights = m.weights;
   a.masks[0] = m.masks[0];
   a.masks[1] = m.masks[1];
@@ -182,7 +181,8 @@ void multi_head_attention_cached(const MhaCacheArgs<T>& m, int num_threads) {
     const int64_t b = r / m.chunk, t = r % m.chunk - first[size_t(b)];
     if (t < 0 || t >= m.lengths_after[b] - m.lengths_before[b]) return;  // padding of row b
     for (int64_t h = 0; h < m.num_kv_heads; ++h) {
-      const int64_t at = (b * m.cache_stride_b + h * m.cache_stride_h + (m.lengths_before[b] + t) * m.cache_stride_s) * item;
+      const int64_t at =
+          (b * m.cache_stride_b + h * m.cache_stride_h + (m.lengths_before[b] + t) * m.cache_stride_s) * item;
       store_row<T>(k + r * kv_width + h * dim, static_cast<char*>(m.k_cache) + at, dim, m.storage);
       store_row<T>(v + r * kv_width + h * dim, static_cast<char*>(m.v_cache) + at, dim, m.storage);
     }
@@ -194,9 +194,8 @@ void multi_head_attention_cached(const MhaCacheArgs<T>& m, int num_threads) {
   // by the kernel): the same arguments as KVCache.attend.
   std::vector<int64_t> q_off, kv_off;
   AttnArgs<T> a = head_split_attention<T>(q, static_cast<const T*>(m.k_cache), static_cast<const T*>(m.v_cache),
-                                          m.batch, m.chunk, kv_len, m.num_heads, m.num_kv_heads, dim,
-                                          m.cache_stride_b, m.cache_stride_h, m.cache_stride_s, context, q_off,
-                                          kv_off);
+                                          m.batch, m.chunk, kv_len, m.num_heads, m.num_kv_heads, dim, m.cache_stride_b,
+                                          m.cache_stride_h, m.cache_stride_s, context, q_off, kv_off);
   a.kv_storage = m.storage;
   a.causal = true;
   a.kv_lens = m.lengths_after;

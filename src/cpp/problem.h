@@ -201,7 +201,7 @@ struct GemmArgs {
   const T* packed = nullptr;  // [panels][k][panel]
   const T* w = nullptr;       // [n][w_stride], when packed is null
   int64_t w_stride = 0;
-  const T* bias = nullptr;    // [n] or nullptr
+  const T* bias = nullptr;  // [n] or nullptr
   T* c = nullptr;
   int64_t c_stride = 0;
   int64_t m = 0, n = 0, k = 0;
@@ -225,7 +225,8 @@ struct KernelSet {
   // Writes normalised softmax weights of the tile's rows for all keys, from the final state.
   void (*write_weights)(const AttnArgs<T>& a, const Tile& t, int64_t block_rows, Scratch<T>& s);
   // Normalised output rows (out + i * out_stride) of a finished tile state: acc / l, zeros if l == 0.
-  void (*finalize)(const RowState<T>& s, int64_t block_rows, int64_t rows, int64_t value_dim, T* out, int64_t out_stride);
+  void (*finalize)(const RowState<T>& s, int64_t block_rows, int64_t rows, int64_t value_dim, T* out,
+                   int64_t out_stride);
   // Few-query-row attention (decode): lanes along head_dim, K/V blocks converted to T once. State:
   // acc rows x value_dim_padded (row-major), m and l per row, in `state`; scratch from decode_scratch.
   void (*decode)(const AttnArgs<T>& a, const DecodePlan& p, const DecodeTile& t, int64_t group, T* scratch,
@@ -240,9 +241,9 @@ struct KernelSet {
   int64_t decode_heads_block;  // decode_heads' keys per block
   int64_t (*decode_scratch)(int64_t rows, int64_t head_dim, int64_t value_dim);
   int64_t (*decode_padded)(int64_t dim);  // value_dim rounded up to whole vectors (acc row length)
-  int64_t decode_block;  // the decode kernel's longest key block (split key chunks are whole blocks)
-  int gemm_rows;   // rows of the GEMM register tile
-  int gemm_panel;  // output columns per packed weight panel
+  int64_t decode_block;                   // the decode kernel's longest key block (split key chunks are whole blocks)
+  int gemm_rows;                          // rows of the GEMM register tile
+  int gemm_panel;                         // output columns per packed weight panel
   // C rows [row_begin, row_end) x columns of panels [p_begin, p_end).
   void (*gemm)(const GemmArgs<T>& g, int64_t row_begin, int64_t row_end, int64_t p_begin, int64_t p_end);
   // Panel p of a (n, k) weight (rows w_stride apart) packed for gemm: packed + p * k * gemm_panel.

@@ -64,7 +64,8 @@ bool openmp_enabled() {
 }
 
 const char* openmp_runtime() {
-  if (!ForkGuard::teams_allowed()) return "libgomp (GNU); single-threaded: this process was forked after a parallel region";
+  if (!ForkGuard::teams_allowed())
+    return "libgomp (GNU); single-threaded: this process was forked after a parallel region";
 #if !defined(PYATTN_OPENMP)
   return "none (built without OpenMP: single-threaded)";
 #elif defined(__clang__)

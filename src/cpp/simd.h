@@ -103,7 +103,7 @@ inline uint16_t float_to_half(float f) {
     const uint32_t r = ax - 0x38000000u;
     return uint16_t(sign | ((r + 0x0fffu + ((r >> 13) & 1u)) >> 13));
   }
-  const uint32_t e = ax >> 23;  // a subnormal half (or zero): |f| * 2^24 rounded to an integer
+  const uint32_t e = ax >> 23;         // a subnormal half (or zero): |f| * 2^24 rounded to an integer
   if (e < 102) return uint16_t(sign);  // below 2^-25: rounds to zero
   const uint32_t mant = (ax & 0x7fffffu) | 0x800000u, shift = 126 - e;  // 14 .. 24
   uint32_t m = mant >> shift;
@@ -171,7 +171,8 @@ struct Simd<float> {
   using wreg = __m512i;
   static wreg load_words(const uint32_t* w) { return _mm512_loadu_si512(w); }
   static reg keep_if_bit(wreg w, int b, reg s) {
-    return _mm512_mask_mov_ps(set1(-std::numeric_limits<float>::infinity()), _mm512_test_epi32_mask(w, _mm512_set1_epi32(int(1u << b))), s);
+    return _mm512_mask_mov_ps(set1(-std::numeric_limits<float>::infinity()),
+                              _mm512_test_epi32_mask(w, _mm512_set1_epi32(int(1u << b))), s);
   }
   // s + add * c (c = log2 e), where a finite add whose product overflows becomes +-FLT_MAX instead of
   // +-inf (a finfo.min mask must stay finite); infinite and NaN adds pass through.
@@ -219,7 +220,8 @@ struct Simd<float> {
     // u[4g + c], 128-bit quarter L: column 4L + c of rows 4g..4g+3.
     for (int c = 0; c < 4; ++c) {
       const reg alo = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), ahi = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xee);
-      const reg blo = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44), bhi = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xee);
+      const reg blo = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44),
+                bhi = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xee);
       r[c] = _mm512_shuffle_f32x4(alo, blo, 0x88);
       r[4 + c] = _mm512_shuffle_f32x4(alo, blo, 0xdd);
       r[8 + c] = _mm512_shuffle_f32x4(ahi, bhi, 0x88);
@@ -244,13 +246,17 @@ struct Simd<float> {
       h4[i] = add(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
     }
     for (int i = 0; i < 2; ++i)
-      h8[i] = add(_mm512_shuffle_f32x4(h4[2 * i], h4[2 * i + 1], 0x88), _mm512_shuffle_f32x4(h4[2 * i], h4[2 * i + 1], 0xdd));
+      h8[i] = add(_mm512_shuffle_f32x4(h4[2 * i], h4[2 * i + 1], 0x88),
+                  _mm512_shuffle_f32x4(h4[2 * i], h4[2 * i + 1], 0xdd));
     return add(_mm512_shuffle_f32x4(h8[0], h8[1], 0x88), _mm512_shuffle_f32x4(h8[0], h8[1], 0xdd));
   }
   // float16 (IEEE binary16) and bfloat16 bit patterns to float32, one vector.
-  static reg load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static reg load_f16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
   static void store_f16(uint16_t* p, reg x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
   static reg load_bf16(const uint16_t* p) {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -313,9 +319,12 @@ struct Simd<double> {
   }
   static uint32_t nonzero_lanes(reg x) { return _mm512_cmp_pd_mask(x, zero(), _CMP_NEQ_UQ); }
   using wreg = __m512i;  // words zero-extended to 64-bit lanes
-  static wreg load_words(const uint32_t* w) { return _mm512_cvtepu32_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))); }
+  static wreg load_words(const uint32_t* w) {
+    return _mm512_cvtepu32_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+  }
   static reg keep_if_bit(wreg w, int b, reg s) {
-    return _mm512_mask_mov_pd(set1(-std::numeric_limits<double>::infinity()), _mm512_test_epi64_mask(w, _mm512_set1_epi64(int64_t(1) << b)), s);
+    return _mm512_mask_mov_pd(set1(-std::numeric_limits<double>::infinity()),
+                              _mm512_test_epi64_mask(w, _mm512_set1_epi64(int64_t(1) << b)), s);
   }
   static reg add_scaled(reg s, reg m, double c) {
     const reg scaled = mul(m, set1(c));
@@ -354,7 +363,8 @@ struct Simd<double> {
     // t[2g + c], 128-bit quarter L: column 2L + c of rows 2g, 2g+1.
     for (int c = 0; c < 2; ++c) {
       const reg alo = _mm512_shuffle_f64x2(t[c], t[2 + c], 0x44), ahi = _mm512_shuffle_f64x2(t[c], t[2 + c], 0xee);
-      const reg blo = _mm512_shuffle_f64x2(t[4 + c], t[6 + c], 0x44), bhi = _mm512_shuffle_f64x2(t[4 + c], t[6 + c], 0xee);
+      const reg blo = _mm512_shuffle_f64x2(t[4 + c], t[6 + c], 0x44),
+                bhi = _mm512_shuffle_f64x2(t[4 + c], t[6 + c], 0xee);
       r[c] = _mm512_shuffle_f64x2(alo, blo, 0x88);
       r[2 + c] = _mm512_shuffle_f64x2(alo, blo, 0xdd);
       r[4 + c] = _mm512_shuffle_f64x2(ahi, bhi, 0x88);
@@ -371,7 +381,8 @@ struct Simd<double> {
   static reg hsum_pairs(const reg* h2) {
     reg h4[2];
     for (int i = 0; i < 2; ++i)
-      h4[i] = add(_mm512_shuffle_f64x2(h2[2 * i], h2[2 * i + 1], 0x88), _mm512_shuffle_f64x2(h2[2 * i], h2[2 * i + 1], 0xdd));
+      h4[i] = add(_mm512_shuffle_f64x2(h2[2 * i], h2[2 * i + 1], 0x88),
+                  _mm512_shuffle_f64x2(h2[2 * i], h2[2 * i + 1], 0xdd));
     return add(_mm512_shuffle_f64x2(h4[0], h4[1], 0x88), _mm512_shuffle_f64x2(h4[0], h4[1], 0xdd));
   }
 };
@@ -486,7 +497,9 @@ struct Simd<float> {
     }
     return add(_mm256_permute2f128_ps(h4[0], h4[1], 0x20), _mm256_permute2f128_ps(h4[0], h4[1], 0x31));
   }
-  static reg load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static reg load_f16(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
   static void store_f16(uint16_t* p, reg x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
@@ -523,7 +536,7 @@ struct Simd<double> {
   static constexpr int row_vecs = 3;
   static constexpr int col_tile = 4;
   static constexpr int reduce_unroll = 1;  // as float
-  static constexpr int gemm_rows = 6;  // as float
+  static constexpr int gemm_rows = 6;      // as float
   static constexpr int gemm_vecs = 2;
   static constexpr int vec_regs = 16;
   static reg zero() { return _mm256_setzero_pd(); }
@@ -547,7 +560,9 @@ struct Simd<double> {
   }
   static uint32_t nonzero_lanes(reg x) { return uint32_t(_mm256_movemask_pd(_mm256_cmp_pd(x, zero(), _CMP_NEQ_UQ))); }
   using wreg = __m256i;  // words zero-extended to 64-bit lanes
-  static wreg load_words(const uint32_t* w) { return _mm256_cvtepu32_epi64(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))); }
+  static wreg load_words(const uint32_t* w) {
+    return _mm256_cvtepu32_epi64(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  }
   static reg keep_if_bit(wreg w, int b, reg s) {
     return _mm256_blendv_pd(set1(-std::numeric_limits<double>::infinity()), s,
                             _mm256_castsi256_pd(_mm256_sll_epi64(w, _mm_cvtsi32_si128(63 - b))));

@@ -74,8 +74,7 @@ void finalize(const RowState<T>& s, AccLayout lay, int64_t rows, int64_t value_d
 // Merges the partial states state_of(0 .. nsplit - 1) of one task's rows into the output rows
 // out_row(i), in chunk order (see the top of this file). A NaN maximum in any chunk makes the row NaN.
 template <class T, class StateAt, class OutRow>
-void merge_partials(int64_t nsplit, StateAt state_of, AccLayout lay, int64_t rows, int64_t value_dim,
-                    OutRow out_row) {
+void merge_partials(int64_t nsplit, StateAt state_of, AccLayout lay, int64_t rows, int64_t value_dim, OutRow out_row) {
   for (int64_t i = 0; i < rows; ++i) {
     T m = -std::numeric_limits<T>::infinity();
     bool nan = false;

@@ -106,9 +106,10 @@ TilePlan plan_tiles(const TileFacts& f, const Tuning& t) {
                                           : l2 > 0 && head_kv > l2 && head_kv >= llc / std::max<int64_t>(1, f.kv_heads);
   // Interleaved K/V heads read by many query blocks are copied head by head into a per-thread buffer
   // (which the hardware prefetchers then follow), when the copies fit half the last-level cache.
-  p.pack_heads = f.interleaved && !f.weights &&
-                 (forced(o.pack_heads) ? o.pack_heads == 1
-                                       : f.q_blocks >= kPackMinQueryBlocks && llc > 0 && head_kv * f.threads <= llc / 2);
+  p.pack_heads =
+      f.interleaved && !f.weights &&
+      (forced(o.pack_heads) ? o.pack_heads == 1
+                            : f.q_blocks >= kPackMinQueryBlocks && llc > 0 && head_kv * f.threads <= llc / 2);
   p.pairs = f.interleaved && f.group == 1 && !p.pack_heads;
   // Heads that share K and V (a GQA group) go through the key blocks together, each block then read
   // from memory (and converted from 16 bits) once per group: as many as put their query blocks and
@@ -164,8 +165,10 @@ DecodePlan plan_decode(const DecodeFacts& f, const Tuning& t) {
   // kernel prefetches in software the parts add nothing but cost (except on Intel), and 16-bit K/V
   // held in the caches are bound by their arithmetic, where more streams only cost. Zen 5: one stream.
   const bool one_part = zen5 || (!intel && p.prefetch_kv);
-  p.streams = forced(o.decode_streams) ? int(o.decode_streams)
-                                       : one_part ? 1 : !f.half_kv || from_memory ? kManyStreams : 1;
+  p.streams = forced(o.decode_streams)    ? int(o.decode_streams)
+              : one_part                  ? 1
+              : !f.half_kv || from_memory ? kManyStreams
+                                          : 1;
   // 16-bit blocks of 64 keys where 4+ query rows share each K/V row, on Zen 5.
   p.block16 = forced(o.decode_block16) ? int(o.decode_block16) : busy && zen5 ? kBlock16Long : kBlock16Short;
   // Interleaved K/V heads are read across the heads (each key's rows of all heads in turn, in address

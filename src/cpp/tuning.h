@@ -52,13 +52,13 @@ enum class CpuVendor : int { unknown = 0, intel = 1, amd = 2 };
 // field through the override.
 struct CpuInfo {
   CpuVendor vendor = CpuVendor::unknown;
-  int family = 0;          // CPUID display family: 0x19 AMD Zen 3/4, 0x1A Zen 5, 6 Intel cores; 0 off x86
-  int model = 0;           // CPUID display model
-  int64_t l1d_bytes = 0;   // one core's level-1 data cache; 0 where CPUID does not say
-  int64_t l2_bytes = 0;    // one core's L2; 0 unknown
-  int64_t llc_bytes = 0;   // the last-level cache one core can use (L3, else L2); 0 unknown
-  bool avx2 = false;       // AVX2 + FMA + F16C, with the OS saving YMM state
-  bool avx512 = false;     // AVX-512F, with the OS saving ZMM state
+  int family = 0;         // CPUID display family: 0x19 AMD Zen 3/4, 0x1A Zen 5, 6 Intel cores; 0 off x86
+  int model = 0;          // CPUID display model
+  int64_t l1d_bytes = 0;  // one core's level-1 data cache; 0 where CPUID does not say
+  int64_t l2_bytes = 0;   // one core's L2; 0 unknown
+  int64_t llc_bytes = 0;  // the last-level cache one core can use (L3, else L2); 0 unknown
+  bool avx2 = false;      // AVX2 + FMA + F16C, with the OS saving YMM state
+  bool avx512 = false;    // AVX-512F, with the OS saving ZMM state
   bool amd_zen5_on() const { return vendor == CpuVendor::amd && family >= 0x1A; }
 };
 
@@ -81,11 +81,11 @@ struct TuningOverride {
   int64_t decode_fuse = kByRule;          // 0 never, 1 wherever the kernel can
   int64_t packed_mask_limit = kByRule;    // bytes >= 0 (0: masks are read as they are)
   // The CPU the planner sees instead of the probed one, field by field.
-  int64_t cpu_vendor = kByRule;           // a CpuVendor
-  int64_t cpu_family = kByRule;           // >= 0
-  int64_t cpu_model = kByRule;            // >= 0
-  int64_t l2_bytes = kByRule;             // >= 0 (0: unknown)
-  int64_t llc_bytes = kByRule;            // >= 0 (0: unknown)
+  int64_t cpu_vendor = kByRule;  // a CpuVendor
+  int64_t cpu_family = kByRule;  // >= 0
+  int64_t cpu_model = kByRule;   // >= 0
+  int64_t l2_bytes = kByRule;    // >= 0 (0: unknown)
+  int64_t llc_bytes = kByRule;   // >= 0 (0: unknown)
 };
 
 // Replaces the override (thread-safe; calls already planned keep their plans); returns the previous one.
@@ -104,8 +104,8 @@ Tuning current_tuning();
 
 // What plan_tiles goes by: the call's sizes as the tile driver has laid them out.
 struct TileFacts {
-  int64_t q_rows;            // batch_heads * q_len
-  int64_t q_row_bytes;       // one query row and its output row
+  int64_t q_rows;       // batch_heads * q_len
+  int64_t q_row_bytes;  // one query row and its output row
   int64_t kv_len;
   int64_t kv_heads;          // distinct key/value heads of the call
   int64_t kv_row_bytes;      // one key's K and V rows as stored
