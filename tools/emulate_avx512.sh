@@ -67,5 +67,7 @@ assert "avx512" in pyattn.available_isas(), pyattn.available_isas()
 print("== emulate_avx512: isa", pyattn.runtime_info()["isa"], "of", pyattn.available_isas())
 EOF
 # PYATTN_ISA=avx512: the isa fixture then runs only that path, and every other test runs on it too.
-PYATTN_ISA=avx512 "$venv_python" -m pytest -q -p no:cacheprovider tests "$@"
+# EMULATE_TESTS: the test paths (default: the whole suite).
+# shellcheck disable=SC2086
+PYATTN_ISA=avx512 "$venv_python" -m pytest -q -p no:cacheprovider ${EMULATE_TESTS:-tests} "$@"
 echo "== emulate_avx512: done in $(( $(date +%s) - start )) s"
