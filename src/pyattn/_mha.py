@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: MIT
 """Multi-head attention layer: pyattn.mha and pyattn.MultiHeadAttention.
 
-Weights use torch.nn.MultiheadAttention's layouts and names. Everything numeric happens in one call
-into the core (projections as packed GEMMs, attention, output projection; see src/cpp/mha.cpp);
-this module validates arguments, packs a layer's weights for the active ISA's GEMM, and turns masks into
-(offset, stride) descriptions without copying them.
+Weights use torch.nn.MultiheadAttention's layouts and names (checked and packed in
+_layer_weights.py). Everything numeric happens in one call into the core (projections as packed
+GEMMs, attention, output projection; see src/cpp/mha.cpp); this module checks the call's inputs and
+turns masks into (offset, stride) descriptions without copying them.
 """
 
 from __future__ import annotations
@@ -16,191 +16,7 @@ import numpy as np
 from . import _core
 from ._arrays import COMPUTE_DTYPES, allocate, as_array, check_batch_first, kernel_layout
 from ._cache import KVCache
-
-
-def _array(x, name, dtype=None):
-    if x is None:
-        return None
-    x = as_array(x, name)
-    if x.dtype not in COMPUTE_DTYPES:
-        raise TypeError(f"{name}: dtype must be float32 or float64, got {x.dtype}")
-    if dtype is not None and x.dtype != dtype:
-        raise TypeError(f"{name}: dtype must be {dtype} (the other inputs' dtype), got {x.dtype}")
-    return x
-
-
-def _expect_shape(x, shape, name):
-    if x is not None and x.shape != shape:
-        raise ValueError(f"{name}: expected shape {shape}, got {x.shape}")
-
-
-class _Weights:
-    """Validated layer weights: q/k/v/out projections (out_features, in_features) and biases."""
-
-    def __init__(self, embed_dim, num_heads, num_kv_heads, kdim, vdim, q, k, v, o, bq, bk, bv, bo):
-        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
-        self.kdim, self.vdim = kdim, vdim
-        self.head_dim = embed_dim // num_heads
-        self.q, self.k, self.v, self.o = q, k, v, o
-        self.bq, self.bk, self.bv, self.bo = bq, bk, bv, bo
-        self.dtype = q.dtype
-        self._packed = {}
-
-    def __getstate__(self):
-        """Pickling (and copy.deepcopy): the weights without their packed copies, which are a cache
-        for one ISA on cache lines (a pickled copy comes back off its line, refused by the core, and
-        the loading CPU may run another ISA); a layer's weights (packed at construction) are packed
-        again when loaded."""
-        return {**self.__dict__, "_packed": {}, "_was_packed": bool(self._packed)}
-
-    def __setstate__(self, state):
-        was_packed = state.pop("_was_packed", False)
-        self.__dict__.update(state)
-        if was_packed:
-            self.packed()
-
-    def packed(self):
-        """(q, k, v, o) weights packed for the active ISA's GEMM (cached per ISA), and the panel width."""
-        isa = _core.isa()
-        if isa not in self._packed:
-            packs = [_core.pack_weights(np.ascontiguousarray(w)) for w in (self.q, self.k, self.v, self.o)]
-            self._packed[isa] = (tuple(p for p, _ in packs), packs[0][1])
-        return self._packed[isa]
-
-    def for_core(self):
-        """(q, k, v, o) weights as the core's layer calls take them: packed for the active ISA once
-        this object has packed (MultiHeadAttention packs at construction), else the weight arrays
-        themselves (pyattn.mha: one call, whose GEMM tasks pack the panels they compute into
-        per-thread scratch, or for one or two rows read them in place: no four fresh packed copies
-        per call, same results)."""
-        if self._packed:
-            return self.packed()[0]
-        return tuple(
-            kernel_layout(x, n)
-            for x, n in zip(
-                (self.q, self.k, self.v, self.o), ("q_proj_weight", "k_proj_weight", "v_proj_weight", "out_proj_weight")
-            )
-        )
-
-    def linear(self, x, which, threads):
-        """x (rows, in) @ W.T + b for which in "qkvo", through the core's GEMM."""
-        packed, panel = self.packed()
-        index = "qkvo".index(which)
-        w, b = (self.q, self.k, self.v, self.o)[index], (self.bq, self.bk, self.bv, self.bo)[index]
-        out = allocate((x.shape[0], w.shape[0]), self.dtype, "out")
-        _core.linear(x, packed[index], panel, w.shape[0], b, out, threads)
-        return out
-
-
-def _resolve_weights(
-    embed_dim,
-    kdim,
-    vdim,
-    num_heads,
-    num_kv_heads,
-    dtype,
-    in_proj_weight,
-    in_proj_bias,
-    q_proj_weight,
-    k_proj_weight,
-    v_proj_weight,
-    q_proj_bias,
-    k_proj_bias,
-    v_proj_bias,
-    out_proj_weight,
-    out_proj_bias,
-):
-    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
-        raise ValueError(f"num_heads: expected a positive int, got {num_heads!r}")
-    if embed_dim % num_heads != 0:
-        raise ValueError(f"num_heads: must divide embed_dim ({embed_dim}), got {num_heads}")
-    if num_kv_heads is None:
-        num_kv_heads = num_heads
-    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, (int, np.integer)) or num_kv_heads < 1:
-        raise ValueError(f"num_kv_heads: expected a positive int, got {num_kv_heads!r}")
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_kv_heads: must divide num_heads ({num_heads}), got {num_kv_heads}")
-    head_dim = embed_dim // num_heads
-    kv_width = num_kv_heads * head_dim
-
-    names = (
-        "in_proj_weight",
-        "in_proj_bias",
-        "q_proj_weight",
-        "k_proj_weight",
-        "v_proj_weight",
-        "q_proj_bias",
-        "k_proj_bias",
-        "v_proj_bias",
-        "out_proj_weight",
-        "out_proj_bias",
-    )
-    values = (
-        in_proj_weight,
-        in_proj_bias,
-        q_proj_weight,
-        k_proj_weight,
-        v_proj_weight,
-        q_proj_bias,
-        k_proj_bias,
-        v_proj_bias,
-        out_proj_weight,
-        out_proj_bias,
-    )
-    arrays = {n: _array(x, n, dtype) for n, x in zip(names, values)}
-    if arrays["out_proj_weight"] is None:
-        raise ValueError("out_proj_weight: required")
-    if arrays["in_proj_weight"] is not None:
-        if any(arrays[n] is not None for n in ("q_proj_weight", "k_proj_weight", "v_proj_weight")):
-            raise ValueError("in_proj_weight: pass either in_proj_weight or q/k/v_proj_weight, not both")
-        if kdim != embed_dim or vdim != embed_dim:
-            raise ValueError(
-                f"in_proj_weight: needs key and value feature sizes equal to embed_dim ({embed_dim}); "
-                f"got kdim={kdim}, vdim={vdim}: pass q/k/v_proj_weight instead"
-            )
-        w = arrays["in_proj_weight"]
-        _expect_shape(w, (embed_dim + 2 * kv_width, embed_dim), "in_proj_weight")
-        q, k, v = w[:embed_dim], w[embed_dim : embed_dim + kv_width], w[embed_dim + kv_width :]
-    else:
-        q, k, v = arrays["q_proj_weight"], arrays["k_proj_weight"], arrays["v_proj_weight"]
-        for n, x in (("q_proj_weight", q), ("k_proj_weight", k), ("v_proj_weight", v)):
-            if x is None:
-                raise ValueError(f"{n}: required (or pass in_proj_weight)")
-        _expect_shape(q, (embed_dim, embed_dim), "q_proj_weight")
-        _expect_shape(k, (kv_width, kdim), "k_proj_weight")
-        _expect_shape(v, (kv_width, vdim), "v_proj_weight")
-    bq, bk, bv = arrays["q_proj_bias"], arrays["k_proj_bias"], arrays["v_proj_bias"]
-    if arrays["in_proj_bias"] is not None:
-        if any(b is not None for b in (bq, bk, bv)):
-            raise ValueError("in_proj_bias: pass either in_proj_bias or q/k/v_proj_bias, not both")
-        b = arrays["in_proj_bias"]
-        _expect_shape(b, (embed_dim + 2 * kv_width,), "in_proj_bias")
-        bq, bk, bv = b[:embed_dim], b[embed_dim : embed_dim + kv_width], b[embed_dim + kv_width :]
-    _expect_shape(bq, (embed_dim,), "q_proj_bias")
-    _expect_shape(bk, (kv_width,), "k_proj_bias")
-    _expect_shape(bv, (kv_width,), "v_proj_bias")
-    o = arrays["out_proj_weight"]
-    _expect_shape(o, (embed_dim, embed_dim), "out_proj_weight")
-    _expect_shape(arrays["out_proj_bias"], (embed_dim,), "out_proj_bias")
-
-    def contiguous(x):
-        return None if x is None else np.ascontiguousarray(x)
-
-    return _Weights(
-        embed_dim,
-        num_heads,
-        num_kv_heads,
-        kdim,
-        vdim,
-        q,
-        k,
-        v,
-        o,
-        contiguous(bq),
-        contiguous(bk),
-        contiguous(bv),
-        contiguous(arrays["out_proj_bias"]),
-    )
+from ._layer_weights import float_array, resolve_weights
 
 
 def _mask_entry(m, name, dtype, batch, num_heads, q_len, kv_len, key_padding):
@@ -244,7 +60,7 @@ def _key_value(q, key, value):
         return q, q
     if key is None or value is None:
         raise ValueError("key, value: pass both (cross-attention) or neither (self-attention)")
-    return _array(key, "key", q.dtype), _array(value, "value", q.dtype)
+    return float_array(key, "key", q.dtype), float_array(value, "value", q.dtype)
 
 
 def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, num_threads):
@@ -320,7 +136,7 @@ def _forward(
     if kv_cache is not None:
         if key is not None or value is not None or attn_mask is not None or key_padding_mask is not None:
             raise ValueError("kv_cache: self-attention only; per-row lengths (num_new) replace masks")
-        q = _array(query, "query", w.dtype)
+        q = float_array(query, "query", w.dtype)
         if q.ndim not in (2, 3) or q.shape[-1] != w.embed_dim:
             layout = "(batch, chunk" if batch_first else "(chunk, batch"
             raise ValueError(f"query: expected {layout}, {w.embed_dim}) or (chunk, {w.embed_dim}), got {q.shape}")
@@ -328,7 +144,7 @@ def _forward(
             w, _sequence_first(q, batch_first), kv_cache, num_new, left_padded, need_weights, num_threads
         )
         return _sequence_first(out, batch_first)
-    q = _array(query, "query")
+    q = float_array(query, "query")
     if q.dtype != w.dtype:
         raise TypeError(f"query: dtype must be {w.dtype} (the weights' dtype), got {q.dtype}")
     k, v = _key_value(q, key, value)
@@ -479,11 +295,11 @@ def mha(
     repeated calls with the same weights, decoding above all, use MultiHeadAttention, which packs
     them once and skips this function's per-call weight checks.
     """
-    q = _array(query, "query")
+    q = float_array(query, "query")
     k, v = _key_value(q, key, value)
     if q.ndim < 1:
         raise ValueError(f"query: expected (batch, q_len, embed_dim) or (q_len, embed_dim), got shape {q.shape}")
-    w = _resolve_weights(
+    w = resolve_weights(
         q.shape[-1],
         k.shape[-1],
         v.shape[-1],
@@ -629,7 +445,7 @@ class MultiHeadAttention:
                 f"state_dict: unsupported keys {sorted(unknown)} (bias_k/bias_v/add_zero_attn are not supported)"
             )
         get = state_dict.get
-        w = _resolve_weights(
+        w = resolve_weights(
             self.embed_dim,
             self.kdim,
             self.vdim,
@@ -742,7 +558,7 @@ class MultiHeadAttention:
         batch_first : bool
             As in the constructor.
         """
-        q_weight = _array(q_weight, "q_weight")
+        q_weight = float_array(q_weight, "q_weight")
         layer = cls.__new__(cls)
         layer.batch_first = check_batch_first(batch_first)
         layer.embed_dim = q_weight.shape[0]
@@ -750,7 +566,7 @@ class MultiHeadAttention:
         layer.num_heads = num_heads
         layer.num_kv_heads = num_kv_heads if num_kv_heads is not None else num_heads
         layer.dtype = q_weight.dtype
-        w = _resolve_weights(
+        w = resolve_weights(
             layer.embed_dim,
             layer.kdim,
             layer.vdim,
