@@ -15,7 +15,7 @@ import numpy as np
 
 from . import _core
 from ._arrays import COMPUTE_DTYPES, allocate, as_array, check_batch_first, kernel_layout
-from ._cache import KVCache
+from ._cache import KVCache, compute_dtype, layer_step
 from ._layer_weights import float_array, resolve_weights
 
 
@@ -78,35 +78,26 @@ def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, num_thre
         raise ValueError(
             f"kv_cache: expected num_kv_heads={w.num_kv_heads}, head_dim=value_dim={w.head_dim}, got {kv_cache!r}"
         )
-    if kv_cache._compute != w.dtype:
-        raise TypeError(
-            f"kv_cache: storage {kv_cache.dtype} computes in {kv_cache._compute}, but the layer is {w.dtype}"
-        )
+    compute = compute_dtype(kv_cache)
+    if compute != w.dtype:
+        raise TypeError(f"kv_cache: storage {kv_cache.dtype} computes in {compute}, but the layer is {w.dtype}")
     batched = q.ndim == 3
     x = q if batched else q[np.newaxis]
     if x.shape[0] != kv_cache.batch:
         raise ValueError(f"query: batch size must equal kv_cache.batch ({kv_cache.batch}), got {x.shape[0]}")
     batch, chunk = x.shape[0], x.shape[1]
-    before, counts, end = kv_cache._plan_append(num_new, chunk)
     out = allocate((batch, chunk, w.embed_dim), w.dtype, "out")
-    packed = w.for_core()
-    # One call does the step: projections, the new K/V into the cache, attention over it (as
-    # KVCache.append + attend), output projection. Positional arguments: keyword matching costs time
-    # on every decode step.
-    _core.mha_cached(
+    dims = [batch, chunk, w.embed_dim, w.num_heads, w.num_kv_heads, w.head_dim]
+    layer_step(
+        kv_cache,
         _rows(x, True, "query"),
-        (*packed, w.bq, w.bk, w.bv, w.bo),
-        [batch, chunk, w.embed_dim, w.num_heads, w.num_kv_heads, w.head_dim],
-        kv_cache._k_core,
-        kv_cache._v_core,
-        kv_cache._half,
-        before,
-        end,
-        bool(left_padded),
+        (*w.for_core(), w.bq, w.bk, w.bv, w.bo),
+        dims,
+        num_new,
+        left_padded,
         out,
         num_threads,
     )
-    kv_cache._commit_append(counts, end, chunk, left_padded)
     return out if batched else out[0]
 
 
