@@ -78,7 +78,8 @@ int64_t row_stride(const Layout& l) { return l.shape.size() >= 2 ? l.strides[l.s
 // `repeat` times (consecutive query heads sharing one key/value head) to out[0 ..).
 void lead_offsets(const Layout& x, const Dims& lead_shape, int64_t repeat, int64_t* out) {
   const size_t nd = lead_shape.size(), x_lead = x.shape.size() >= 2 ? x.shape.size() - 2 : 0;
-  int64_t strides[kMaxDims] = {}, index[kMaxDims] = {};
+  int64_t strides[kMaxDims], index[kMaxDims];
+  for (size_t d = 0; d < nd; ++d) strides[d] = index[d] = 0;
   for (size_t i = 1; i <= std::min(nd, x_lead); ++i) strides[nd - i] = x.strides[x_lead - i];
   const int64_t count = lead_shape.product();
   int64_t offset = 0;
@@ -186,13 +187,17 @@ void narrow_into(const py::array& wide, py::array& narrow, FloatKind kind, int t
   convert_half(src, dst, n, threads, kind == FloatKind::bf16);
 }
 
+// A py::array holding nothing yet (py::array's default constructor makes an empty NumPy array).
+py::array no_array() { return py::reinterpret_borrow<py::array>(py::handle()); }
+
 // Everything the driver needs for one call, with the arrays that keep its memory alive.
 struct Call {
-  py::array q, k, v;  // as the kernels read them (16-bit keys/values as uint16 views)
+  // As the kernels read them (16-bit keys/values as uint16 views).
+  py::array q = no_array(), k = no_array(), v = no_array();
   Storage kv_storage = Storage::same;
   py::object mask = py::none();  // the mask the kernels read, or None
   int64_t mask_stride_l = 0, mask_stride_s = 0;
-  py::array out;  // compute dtype, C-contiguous, element-aligned
+  py::array out = no_array();  // compute dtype, C-contiguous, element-aligned
   py::object weights = py::none();
   std::vector<int64_t> offsets;  // q, k, v, mask offsets per (batch, head): 4 * batch_heads
   int64_t batch_heads = 0, num_heads = 0, group = 1, q_len = 0, kv_len = 0, head_dim = 0, value_dim = 0;
@@ -370,7 +375,7 @@ py::object sdpa(py::handle query, py::handle key, py::handle value, py::handle a
   c.causal = causal != Causal::none;
   c.causal_offset = causal_offset(causal, c.q_len, c.kv_len);
   c.scale = parse_scale(scale, c.head_dim);
-  const py::array mask = attn_mask.is_none() ? py::array() : check_mask(attn_mask, dtype, batch, c);
+  const py::array mask = attn_mask.is_none() ? no_array() : check_mask(attn_mask, dtype, batch, c);
 
   // The output's shape: 2-D inputs give (L, Ev), else batch + (Hq, L, Ev).
   const bool two_d = std::max({q_in.ndim(), k_in.ndim(), v_in.ndim()}) == 2;

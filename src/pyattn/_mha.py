@@ -249,27 +249,22 @@ def mha(
     is_causal : {False, True, "upper_left", "lower_right"}
         As in scaled_dot_product_attention; combines with the masks.
     need_weights, average_attn_weights : bool
-        Return (out, weights) with weights (batch, q_len, kv_len) averaged over heads, or
-        (batch, num_heads, q_len, kv_len) per head.
+        Also return the attention weights (see Returns), averaged over the heads or per head.
     num_kv_heads : int, optional
         Key/value heads for grouped-query (1 = multi-query) attention; must divide num_heads.
     kv_cache : pyattn.KVCache, optional
-        Incremental decoding (self-attention only): the new tokens' K/V are appended to the cache
-        and their queries attend to every cached key with the lower-right causal alignment.
-        Masks are not needed (and not accepted) with a cache.
+        Incremental decoding (self-attention only, no masks): the new tokens' K/V are appended to
+        the cache and their queries attend to every cached key (lower-right causal alignment).
     num_new : int or ndarray of int, optional
-        With kv_cache: the real token count of each batch row of a padded chunk, (batch,) ints in
-        [0, chunk]; default: every token of the chunk.
+        With kv_cache: the real tokens of each row of a padded chunk, (batch,) ints in [0, chunk].
     left_padded : bool
-        With kv_cache and num_new: the real tokens are the last num_new[b] of row b's chunk
-        (left padding) instead of the first.
+        With num_new: the real tokens are the last num_new[b] of row b's chunk, not the first.
     batch_first : bool
-        True (the default): batched query/key/value/output are (batch, len, features). False:
-        (len, batch, features), torch.nn.MultiheadAttention's default; they are read as
-        (batch, len, features) views (the projections copy their rows once) and the output is
-        returned as a (len, batch, embed_dim) view of a (batch, len, embed_dim) array. Masks and
-        weights keep their shapes, as in torch; unbatched inputs are the same either way.
+        True (default): batched inputs and output are (batch, len, features); False: (len, batch,
+        features), torch's default, read as views (the output is a view too). Masks and weights
+        keep their shapes, as in torch.
     num_threads : int, optional
+        Threads for this call; default pyattn.get_num_threads().
 
     Returns
     -------
@@ -281,10 +276,7 @@ def mha(
 
     Notes
     -----
-    The projection GEMM packs the weights' panels on every call (into per-thread scratch; one or two
-    input rows read them in place), with the same results as MultiHeadAttention bit for bit. For
-    repeated calls with the same weights, decoding above all, use MultiHeadAttention, which packs
-    them once and skips this function's per-call weight checks.
+    The weights are packed on every call: MultiHeadAttention packs them once (same results).
     """
     q = float_array(query, "query")
     k, v = _key_value(q, key, value)

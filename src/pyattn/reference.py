@@ -150,6 +150,59 @@ def _additive_mask(mask, name, bool_value):
     raise TypeError(f"{name}: must be bool or floating, got {mask.dtype}")
 
 
+def _layer_weights(
+    embed_dim, kv_dim, kdim, vdim, in_proj_weight, in_proj_bias, qkv_weights, qkv_biases, out_proj_weight, out_proj_bias
+):
+    """((wq, bq), (wk, bk), (wv, bv), (wo, bo)) in float64, checked against the layer's sizes: the
+    stacked in_proj_weight [Wq; Wk; Wv] or the three separate weights; in_proj_bias [bq; bk; bv] or
+    the separate biases (None where absent)."""
+    if in_proj_weight is not None:
+        if kdim != embed_dim or vdim != embed_dim:
+            raise ValueError("in_proj_weight: only valid when key and value have embed_dim features")
+        w = _as_float64(in_proj_weight, "in_proj_weight", (embed_dim + 2 * kv_dim, embed_dim))
+        wq, wk, wv = w[:embed_dim], w[embed_dim : embed_dim + kv_dim], w[embed_dim + kv_dim :]
+    else:
+        names = ("q_proj_weight", "k_proj_weight", "v_proj_weight")
+        for name, w in zip(names, qkv_weights):
+            if w is None:
+                raise ValueError(f"{name}: required when in_proj_weight is not given")
+        shapes = ((embed_dim, embed_dim), (kv_dim, kdim), (kv_dim, vdim))
+        wq, wk, wv = (_as_float64(w, n, shape) for w, n, shape in zip(qkv_weights, names, shapes))
+    bq, bk, bv = qkv_biases
+    if in_proj_bias is not None:
+        b = _as_float64(in_proj_bias, "in_proj_bias", (embed_dim + 2 * kv_dim,))
+        bq, bk, bv = b[:embed_dim], b[embed_dim : embed_dim + kv_dim], b[embed_dim + kv_dim :]
+    bq = None if bq is None else _as_float64(bq, "q_proj_bias", (embed_dim,))
+    bk = None if bk is None else _as_float64(bk, "k_proj_bias", (kv_dim,))
+    bv = None if bv is None else _as_float64(bv, "v_proj_bias", (kv_dim,))
+    wo = _as_float64(out_proj_weight, "out_proj_weight", (embed_dim, embed_dim))
+    bo = None if out_proj_bias is None else _as_float64(out_proj_bias, "out_proj_bias", (embed_dim,))
+    return (wq, bq), (wk, bk), (wv, bv), (wo, bo)
+
+
+def _layer_mask(attn_mask, key_padding_mask, unbatched, batch, num_heads, q_len, kv_len):
+    """One additive (B, num_heads, L, S) float64 mask from torch.nn.MultiheadAttention's two masks
+    (bool True = not allowed / padding; floats added), or None when neither is given."""
+    mask = None
+    if attn_mask is not None:
+        if unbatched:
+            shapes = [(q_len, kv_len), (num_heads, q_len, kv_len)]
+        else:
+            shapes = [(q_len, kv_len), (batch * num_heads, q_len, kv_len)]
+        if np.shape(attn_mask) not in shapes:
+            raise ValueError(f"attn_mask: expected shape {' or '.join(map(str, shapes))}, got {np.shape(attn_mask)}")
+        mask = _additive_mask(attn_mask, "attn_mask", -np.inf)
+        if mask.ndim == 3:
+            mask = mask.reshape(batch, num_heads, q_len, kv_len)
+    if key_padding_mask is not None:
+        expected = (kv_len,) if unbatched else (batch, kv_len)
+        if np.shape(key_padding_mask) != expected:
+            raise ValueError(f"key_padding_mask: expected shape {expected}, got {np.shape(key_padding_mask)}")
+        padding = _additive_mask(key_padding_mask, "key_padding_mask", -np.inf).reshape(batch, 1, 1, kv_len)
+        mask = padding if mask is None else mask + padding
+    return mask
+
+
 def mha(
     query,
     key=None,
@@ -225,29 +278,18 @@ def mha(
     kv_dim = num_kv_heads * head_dim
 
     # 1. Projections.
-    if in_proj_weight is not None:
-        if kdim != embed_dim or vdim != embed_dim:
-            raise ValueError("in_proj_weight: only valid when key and value have embed_dim features")
-        w = _as_float64(in_proj_weight, "in_proj_weight", (embed_dim + 2 * kv_dim, embed_dim))
-        wq, wk, wv = w[:embed_dim], w[embed_dim : embed_dim + kv_dim], w[embed_dim + kv_dim :]
-    else:
-        separate = {"q_proj_weight": q_proj_weight, "k_proj_weight": k_proj_weight, "v_proj_weight": v_proj_weight}
-        for name, w in separate.items():
-            if w is None:
-                raise ValueError(f"{name}: required when in_proj_weight is not given")
-        wq = _as_float64(q_proj_weight, "q_proj_weight", (embed_dim, embed_dim))
-        wk = _as_float64(k_proj_weight, "k_proj_weight", (kv_dim, kdim))
-        wv = _as_float64(v_proj_weight, "v_proj_weight", (kv_dim, vdim))
-    bq, bk, bv = q_proj_bias, k_proj_bias, v_proj_bias
-    if in_proj_bias is not None:
-        b = _as_float64(in_proj_bias, "in_proj_bias", (embed_dim + 2 * kv_dim,))
-        bq, bk, bv = b[:embed_dim], b[embed_dim : embed_dim + kv_dim], b[embed_dim + kv_dim :]
-    bq = None if bq is None else _as_float64(bq, "q_proj_bias", (embed_dim,))
-    bk = None if bk is None else _as_float64(bk, "k_proj_bias", (kv_dim,))
-    bv = None if bv is None else _as_float64(bv, "v_proj_bias", (kv_dim,))
-    wo = _as_float64(out_proj_weight, "out_proj_weight", (embed_dim, embed_dim))
-    bo = None if out_proj_bias is None else _as_float64(out_proj_bias, "out_proj_bias", (embed_dim,))
-
+    (wq, bq), (wk, bk), (wv, bv), (wo, bo) = _layer_weights(
+        embed_dim,
+        kv_dim,
+        kdim,
+        vdim,
+        in_proj_weight,
+        in_proj_bias,
+        (q_proj_weight, k_proj_weight, v_proj_weight),
+        (q_proj_bias, k_proj_bias, v_proj_bias),
+        out_proj_weight,
+        out_proj_bias,
+    )
     q = _project(q_in, wq, bq)
     k = _project(k_in, wk, bk)
     v = _project(v_in, wv, bv)
@@ -258,24 +300,7 @@ def mha(
     v = v.reshape(batch, kv_len, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
 
     # 3. One additive (B, num_heads, L, S) mask from both PyTorch-convention masks.
-    mask = None
-    if attn_mask is not None:
-        if unbatched:
-            shapes = [(q_len, kv_len), (num_heads, q_len, kv_len)]
-        else:
-            shapes = [(q_len, kv_len), (batch * num_heads, q_len, kv_len)]
-        if np.shape(attn_mask) not in shapes:
-            raise ValueError(f"attn_mask: expected shape {' or '.join(map(str, shapes))}, got {np.shape(attn_mask)}")
-        mask = _additive_mask(attn_mask, "attn_mask", -np.inf)
-        if mask.ndim == 3:
-            mask = mask.reshape(batch, num_heads, q_len, kv_len)
-    if key_padding_mask is not None:
-        expected = (kv_len,) if unbatched else (batch, kv_len)
-        if np.shape(key_padding_mask) != expected:
-            raise ValueError(f"key_padding_mask: expected shape {expected}, got {np.shape(key_padding_mask)}")
-        padding = _additive_mask(key_padding_mask, "key_padding_mask", -np.inf).reshape(batch, 1, 1, kv_len)
-        mask = padding if mask is None else mask + padding
-
+    mask = _layer_mask(attn_mask, key_padding_mask, unbatched, batch, num_heads, q_len, kv_len)
     attn = scaled_dot_product_attention(
         q, k, v, mask, is_causal=is_causal, enable_gqa=True, return_weights=need_weights
     )
