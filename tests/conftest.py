@@ -36,6 +36,22 @@ def tol(dtype):
     return TOL.get(dtype.type) or TOL[dtype.name]
 
 
+def np_dtype(name):
+    """The NumPy dtype for a dtype name ("bfloat16": ml_dtypes'); the test skips without ml_dtypes."""
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:  # pragma: no cover - depends on the environment
+            pytest.skip("bfloat16 needs ml_dtypes")
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def f64(x):
+    """x's values in float64 (from any float dtype, bfloat16 included)."""
+    return np.asarray(x).astype(np.float64)
+
+
 DTYPES = [np.float32, np.float64]
 
 

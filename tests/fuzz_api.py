@@ -34,10 +34,10 @@ import pyattn
 from pyattn import reference
 
 try:  # the one tolerance table of the suite
-    from conftest import tol
+    from conftest import np_dtype, tol
 except ImportError:  # pragma: no cover - run from elsewhere
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from conftest import tol
+    from conftest import np_dtype, tol
 
 try:
     import ml_dtypes
@@ -101,16 +101,10 @@ _LAYOUTS = (
 )
 
 
-def _np_dtype(name):
-    if name == "bfloat16":
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
 def _values(rng, shape, dtype):
     """Standard-normal values of dtype (or the closest thing for non-float dtypes)."""
     x = rng.standard_normal(shape)
-    dt = _np_dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
+    dt = np_dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
     if dt.kind in "iu":
         return (x * 3).astype(dt)
     if dt.kind == "b":
@@ -332,7 +326,7 @@ def cases(draw):
             shape = [2] + [2 if n == 1 else n for n in full_shape]
             allowed = rng.random(shape) < p_allowed
             fail(ValueError, "attn_mask")
-        mdt = _np_dtype(mask_dtype)
+        mdt = np_dtype(mask_dtype)
         if mask_kind == "bool" and mistake != "mask_dtype":
             mask = allowed
         elif mdt.kind == "f" or mdt.name == "bfloat16":
@@ -422,7 +416,7 @@ def cases(draw):
             if max(len(q_shape), len(k_shape), len(v_shape)) == 2
             else np.broadcast_shapes(q_shape[:-3], k_shape[:-3], v_shape[:-3]) + (q_heads, q_len, value_dim)
         )
-        out_dtype = _np_dtype(dtype)
+        out_dtype = np_dtype(dtype)
         if out_kind == "out_shape":
             out_shape = out_shape[:-1] + (value_dim + 1,)
             fail(ValueError, "out")

@@ -57,7 +57,7 @@ except ImportError:  # pragma: no cover - run from elsewhere
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     import fuzz_api
 from fuzz_api import _layout as fuzz_api_layout
-from fuzz_api import _np_dtype, ml_dtypes, tol
+from fuzz_api import ml_dtypes, np_dtype, tol
 from fuzz_cache_mistakes import MISTAKES, KnownIssue, Mistakes
 from fuzz_cache_model import MAX_ELEMENTS, MAX_EMBED, Model, Snapshot, _bits, _compare, _f64, _score_factor
 
@@ -208,7 +208,7 @@ class Runner(Mistakes):
         self.program = program
         c = program.config
         self.rng = np.random.default_rng(program.seed)
-        self.storage = _np_dtype(c["dtype"])
+        self.storage = np_dtype(c["dtype"])
         self.compute = np.dtype(np.float32) if self.storage.itemsize == 2 else self.storage
         # value_dim left out (its default) or given; bfloat16 by name or as the ml_dtypes type.
         value_dim = None if c["value_dim"] == c["head_dim"] and self.rng.random() < 0.5 else c["value_dim"]
@@ -299,7 +299,7 @@ class Runner(Mistakes):
         is_ragged = ragged != "no"
         chunk = self._chunk(chunk, is_ragged)
         counts = self._counts(chunk) if is_ragged else np.full(self.batch, chunk, np.int64)
-        in_dtype = self.storage if dtype == "same" else _np_dtype(dtype)
+        in_dtype = self.storage if dtype == "same" else np_dtype(dtype)
         shape_k = (self.batch, self.hk, chunk, self.d)
         shape_v = (self.batch, self.hk, chunk, self.dv)
         k = self._padded(shape_k, counts if is_ragged else None, chunk, left, pad_nan, in_dtype, magnitude)
@@ -332,7 +332,7 @@ class Runner(Mistakes):
         self.rng = np.random.default_rng(seed)
         m = self.model
         heads = self.hk * group
-        q_dtype = self.compute if dtype == "same" else _np_dtype(dtype)
+        q_dtype = self.compute if dtype == "same" else np_dtype(dtype)
         shape = (self.batch, heads, m.last_chunk, self.d)
         real = np.array([m.real_rows(b).stop - m.real_rows(b).start for b in range(self.batch)])
         nan_pad = pad_nan and (real < m.last_chunk).any()

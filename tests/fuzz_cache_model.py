@@ -11,6 +11,7 @@ import numpy as np
 
 from pyattn import reference
 
+from conftest import f64 as _f64  # noqa: E402  (after fuzz_api, which puts tests/ on sys.path)
 from fuzz_api import largest_finite_norm, tol  # tol: conftest's table, the one of the suite
 
 # K/V that a layer step projects and stores are held to conftest.TOL's "stored <dtype>" entries (16-bit
@@ -20,10 +21,6 @@ from fuzz_api import largest_finite_norm, tol  # tol: conftest's table, the one 
 # Size caps that keep the checks cheap (they run after every operation of every program).
 MAX_ELEMENTS = 400_000  # K+V storage elements per cache: a bitwise check after every operation stays cheap
 MAX_EMBED = 384  # layers: embed_dim = num_heads * head_dim at most this
-
-
-def _f64(x):
-    return np.asarray(x).astype(np.float64)
 
 
 def _bits(x):

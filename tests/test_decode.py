@@ -37,8 +37,10 @@ from pyattn._tuning import PROFILES, override
 from conftest import (
     TOL,
     assert_close,
+    f64,
     make_qkv,
     nan_guarded,
+    np_dtype,
     random_array,
     random_mask,
     tol,
@@ -63,22 +65,9 @@ DECODE_MAX = pyattn._core.DECODE_MAX_Q_LEN
 CACHE_DTYPES = ["float32", "float64", "float16", "bfloat16"]
 
 
-def np_dtype(name):
-    """The NumPy dtype for a dtype name; bfloat16 cases skip when ml_dtypes is missing."""
-    if name == "bfloat16":
-        if ml_dtypes is None:
-            pytest.skip("bfloat16 needs ml_dtypes")
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
 def compute_dtype(name):
     """The dtype a cache of storage `name` computes in (and its layer must have)."""
     return np.dtype(np.float32) if name in HALF_NAMES else np.dtype(name)
-
-
-def f64(x):
-    return np.asarray(x).astype(np.float64)
 
 
 def group_tiles(on):

@@ -27,7 +27,7 @@ import pyattn
 from pyattn import reference
 from pyattn._tuning import PROFILES, override
 
-from conftest import random_array, random_mask, tol
+from conftest import f64, np_dtype, random_array, random_mask, tol
 
 try:
     import ml_dtypes
@@ -38,18 +38,6 @@ sdpa = pyattn.scaled_dot_product_attention
 
 # Caches small enough that test-sized K/V count as "from memory" and outgrow L2.
 SMALL_CACHES = dict(l2_bytes=64 << 10, llc_bytes=256 << 10)
-
-
-def storage_dtype(name):
-    if name == "bfloat16":
-        if ml_dtypes is None:
-            pytest.skip("bfloat16 needs ml_dtypes")
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
-def f64(x):
-    return np.asarray(x).astype(np.float64)
 
 
 def assert_reference(got, expected, name):
@@ -73,7 +61,7 @@ def decode_calls(name):
     groups of 4 rows and single rows, 16-bit K/V read in place and through scratch (head_dim off the
     lanes), interleaved heads, a mask with holes, lower-right causal over 3 new tokens, a long range
     split across threads."""
-    dtype, rng = storage_dtype(name), seeded(name)
+    dtype, rng = np_dtype(name), seeded(name)
     calls = []
     for q_heads, kv_heads, q_len, kv_len, dim, options in [
         (8, 2, 1, 1100, 64, {}),
@@ -102,7 +90,7 @@ def tile_calls(name):
     """Query-tile calls of dtype `name`, each with its reference: GQA groups (group tiles), interleaved
     heads with many query blocks (copied heads, pairs), boolean and float masks (packed or read as they
     are), causal, many small heads (the next-item prefetch), a split key range."""
-    dtype, rng = storage_dtype(name), seeded(name)
+    dtype, rng = np_dtype(name), seeded(name)
     calls = []
     for batch, q_heads, kv_heads, q_len, kv_len, dim, options in [
         (1, 8, 2, 40, 700, 24, dict(causal="lower_right")),
@@ -134,7 +122,7 @@ def cache_steps(name):
     """KVCache decode steps of storage `name` (GQA and one row per K/V row, ragged lengths), with their
     references from the stored K/V (the results are float32 or float64, held to that dtype's
     tolerance: the K/V values are the stored ones)."""
-    storage_dtype(name)
+    np_dtype(name)
     compute, rng = (np.float64 if name == "float64" else np.float32), seeded(name)
     steps = []
     for kv_heads, q_heads, dim, q_len in ((2, 8, 128, 1), (4, 4, 64, 1), (2, 8, 40, 3)):
