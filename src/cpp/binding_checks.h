@@ -114,6 +114,16 @@ struct Dims {
 };
 
 inline Dims shape_of(const py::array& x) { return Dims(x.shape(), size_t(x.ndim())); }
+// Whether a mask of shape m broadcasts to `full` without growing it (np.broadcast_shapes(m, full) == full).
+inline bool broadcasts_to(const Dims& m, const Dims& full) {
+  if (m.size() > full.size()) return false;
+  for (size_t i = 0; i < m.size(); ++i) {
+    const int64_t n = m[m.size() - 1 - i];
+    if (n != 1 && n != full[full.size() - 1 - i]) return false;
+  }
+  return true;
+}
+
 inline std::string tuple_repr(const Dims& d) { return tuple_repr(d.data(), d.size()); }
 
 // A fresh C-contiguous array of `shape` and `dtype` whose data starts `start` bytes past a cache

@@ -25,6 +25,7 @@
 
 #include "attention.h"
 #include "binding_checks.h"
+#include "binding_variants.h"
 
 namespace pyattn {
 namespace {
@@ -122,16 +123,6 @@ Dims broadcast_batch(const Dims* shapes[3]) {
   return batch;
 }
 
-// Whether a mask of shape m broadcasts to `full` without growing it (np.broadcast_shapes(m, full) == full).
-bool broadcasts_to(const Dims& m, const Dims& full) {
-  if (m.size() > full.size()) return false;
-  for (size_t i = 0; i < m.size(); ++i) {
-    const int64_t n = m[m.size() - 1 - i];
-    if (n != 1 && n != full[full.size() - 1 - i]) return false;
-  }
-  return true;
-}
-
 py::array view_as(const py::array& x, const py::dtype& dtype) {
   std::vector<py::ssize_t> shape(x.shape(), x.shape() + x.ndim()), strides(x.strides(), x.strides() + x.ndim());
   return py::array(dtype, shape, strides, x.data(), x);
@@ -203,7 +194,8 @@ struct Call {
   int64_t batch_heads = 0, num_heads = 0, group = 1, q_len = 0, kv_len = 0, head_dim = 0, value_dim = 0;
   int64_t q_stride_l = 0, k_stride_s = 0, v_stride_s = 0;
   bool causal = false;
-  int64_t causal_offset = 0;
+  int64_t causal_offset = 0;  // the diagonal: d(i) = i + causal_offset
+  Variants variants;
   double scale = 1.0;
   const int64_t* kv_lens = nullptr;
   const int64_t* causal_offsets = nullptr;
@@ -247,8 +239,7 @@ void launch(const Call& c) {
   a.q_stride_l = c.q_stride_l;
   a.k_stride_s = c.k_stride_s;
   a.v_stride_s = c.v_stride_s;
-  a.causal = c.causal;
-  a.causal_offset = c.causal_offset;
+  c.variants.apply(a, c.causal, c.causal_offset);
   a.scale = c.scale;
   a.kv_lens = c.kv_lens;
   a.causal_offsets = c.causal_offsets;
@@ -326,7 +317,8 @@ void describe_mask(Call& c, py::array mask, FloatKind kind, const Dims& batch) {
 
 py::object sdpa(py::handle query, py::handle key, py::handle value, py::handle attn_mask, py::handle is_causal,
                 py::handle scale, py::handle enable_gqa, py::handle return_weights, py::handle out_obj,
-                py::handle num_threads) {
+                py::handle num_threads, py::handle window, py::handle softcap, py::handle sinks,
+                py::handle alibi_slopes) {
   const py::array q_in = float_input(query, "query"), k_in = float_input(key, "key"),
                   v_in = float_input(value, "value");
   const py::dtype dtype = q_in.dtype();
@@ -375,6 +367,7 @@ py::object sdpa(py::handle query, py::handle key, py::handle value, py::handle a
   c.causal = causal != Causal::none;
   c.causal_offset = causal_offset(causal, c.q_len, c.kv_len);
   c.scale = parse_scale(scale, c.head_dim);
+  c.variants = parse_variants(window, softcap, sinks, alibi_slopes, batch, c.num_heads);
   const py::array mask = attn_mask.is_none() ? no_array() : check_mask(attn_mask, dtype, batch, c);
 
   // The output's shape: 2-D inputs give (L, Ev), else batch + (Hq, L, Ev).
@@ -442,7 +435,8 @@ py::object sdpa(py::handle query, py::handle key, py::handle value, py::handle a
 // row b seeing its first lengths[b] keys with query i at position causal_offsets[b] + i.
 py::object sdpa_cache(py::handle query, const py::array& k_store, const py::array& v_store, int storage, int64_t kv_len,
                       const py::array& lengths, const py::array& causal_offsets, py::handle scale,
-                      py::handle num_threads) {
+                      py::handle num_threads, py::handle window, py::handle softcap, py::handle sinks,
+                      py::handle alibi_slopes) {
   if (storage < 0 || storage > 2) fail("storage must be 0 (same), 1 (float16) or 2 (bfloat16)");
   const py::array q_in = float_input(query, "query");
   const FloatKind kind = float_kind(q_in.dtype());
@@ -479,6 +473,7 @@ py::object sdpa_cache(py::handle query, const py::array& k_store, const py::arra
   c.batch_heads = checked_mul(batch, c.num_heads);
   c.scale = parse_scale(scale, c.head_dim);
   c.causal = true;
+  c.variants = parse_variants(window, softcap, sinks, alibi_slopes, Dims{batch}, c.num_heads);
   c.kv_lens = len;
   c.causal_offsets = static_cast<const int64_t*>(causal_offsets.data());
   c.kv_storage = Storage(storage);
@@ -496,9 +491,13 @@ py::object sdpa_cache(py::handle query, const py::array& k_store, const py::arra
 void bind_sdpa(py::module_& m) {
   m.def("sdpa", &sdpa, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("attn_mask"), py::arg("is_causal"),
         py::arg("scale"), py::arg("enable_gqa"), py::arg("return_weights"), py::arg("out"), py::arg("num_threads"),
+        py::arg("window") = py::none(), py::arg("softcap") = py::none(), py::arg("sinks") = py::none(),
+        py::arg("alibi_slopes") = py::none(),
         "pyattn.scaled_dot_product_attention on NumPy arrays: the whole contract (see its docstring).");
   m.def("sdpa_cache", &sdpa_cache, py::arg("query"), py::arg("k_storage"), py::arg("v_storage"), py::arg("storage"),
         py::arg("kv_len"), py::arg("lengths"), py::arg("causal_offsets"), py::arg("scale"), py::arg("num_threads"),
+        py::arg("window") = py::none(), py::arg("softcap") = py::none(), py::arg("sinks") = py::none(),
+        py::arg("alibi_slopes") = py::none(),
         "KVCache.attend's attention over the cache's storage (arguments prepared by pyattn.KVCache).");
 }
 

@@ -106,7 +106,9 @@ void attend_decode(const AttnArgs<T>& a, const KernelSet<T>& ks, const Tuning& t
   const int64_t tasks = a.batch_heads / group * row_chunks;
   const bool interleaved = a.kv_heads_interleave();
   const bool whole_vectors = ks.decode_padded(a.head_dim) == a.head_dim && ks.decode_padded(a.value_dim) == a.value_dim;
-  if (interleaved && row_chunks == 1 && whole_vectors && plan.across_heads)
+  // The across-heads kernel knows masks and the causal limit only: calls with variants (window,
+  // softcap, ALiBi, sinks) take the head-by-head one.
+  if (interleaved && row_chunks == 1 && whole_vectors && plan.across_heads && !a.has_variants())
     return attend_decode_heads(a, ks, num_threads);
   const Split split = decode_split(a, ks, tasks, interleaved);
   const int64_t items = tasks * split.count;

@@ -92,10 +92,26 @@ struct AttnArgs {
   int64_t head_dim = 0;
   int64_t value_dim = 0;
 
+  // The band of keys each query row may see. Row i's diagonal is key i + diagonal_of(bh) (the causal
+  // alignment: S - L for lower_right and the KV cache, 0 otherwise). With `causal`, keys past
+  // i + causal_offset_of(bh) = the diagonal + upper_shift are forbidden (a causal call: upper_shift
+  // 0; a window's right side without causal: its width); with `windowed`, keys before
+  // i + window_offset_of(bh) = the diagonal - window_left are.
   bool causal = false;
-  int64_t causal_offset = 0;  // query i may see keys j <= i + causal_offset
+  int64_t causal_offset = 0;  // the diagonal of every batch entry when causal_offsets is null
+  int64_t upper_shift = 0;
+  bool windowed = false;
+  int64_t window_left = 0;
 
   double scale = 1.0;  // multiplies q.k before the masks are added
+
+  // The score transforms and the sink of today's models (score_mods.inc), in natural units; each
+  // scaled score s becomes softcap * tanh(s / softcap) (softcap > 0), then
+  // s - alibi_slopes[bh] * |i + diagonal_of(bh) - j|, before the masks are added; sinks[bh] is one
+  // more logit in every softmax denominator of head bh, with no value row. Null: not used.
+  double softcap = 0.0;
+  const double* alibi_slopes = nullptr;  // [batch_heads]
+  const double* sinks = nullptr;         // [batch_heads]
 
   // KV-cache calls: per batch entry b = bh / num_heads, the filled key length and the causal offset
   // (nullptr: kv_len and causal_offset for everyone), and the storage of K and V (k and v then point
@@ -106,7 +122,12 @@ struct AttnArgs {
 
   T* out_rows(int64_t bh) const { return out + (bh / num_heads) * out_stride_b + (bh % num_heads) * out_stride_h; }
   int64_t kv_len_of(int64_t bh) const { return kv_lens ? kv_lens[bh / num_heads] : kv_len; }
-  int64_t causal_offset_of(int64_t bh) const { return causal_offsets ? causal_offsets[bh / num_heads] : causal_offset; }
+  int64_t diagonal_of(int64_t bh) const { return causal_offsets ? causal_offsets[bh / num_heads] : causal_offset; }
+  int64_t causal_offset_of(int64_t bh) const { return diagonal_of(bh) + upper_shift; }
+  int64_t window_offset_of(int64_t bh) const { return diagonal_of(bh) - window_left; }
+  // Whether scores are transformed (softcap, ALiBi) or rows carry a sink.
+  bool mods_scores() const { return softcap > 0 || alibi_slopes != nullptr; }
+  bool has_variants() const { return mods_scores() || sinks != nullptr || windowed || upper_shift != 0; }
   // Bytes of one stored K/V element.
   int64_t kv_item_bytes() const { return kv_storage == Storage::same ? int64_t(sizeof(T)) : 2; }
   // Query rows that read each key/value head: its group's query heads times the query length.

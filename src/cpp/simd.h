@@ -152,6 +152,13 @@ struct Simd<float> {
   static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
   static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
   static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
+  static reg div(reg a, reg b) { return _mm512_div_ps(a, b); }
+  static reg abs(reg x) { return _mm512_abs_ps(x); }
+  static reg copysign(reg mag, reg sgn) {  // |mag| with sgn's sign bit
+    const __m512i bit = _mm512_set1_epi32(int(0x80000000u));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_andnot_si512(bit, _mm512_castps_si512(mag)),
+                                               _mm512_and_si512(bit, _mm512_castps_si512(sgn))));
+  }
   // c + a*b in the lanes where a != 0 (NaN counts as nonzero), c elsewhere.
   static reg fma_nonzero(reg a, reg b, reg c) {
     return _mm512_mask3_fmadd_ps(a, b, c, _mm512_cmp_ps_mask(a, zero(), _CMP_NEQ_UQ));
@@ -307,6 +314,13 @@ struct Simd<double> {
   static reg mul(reg a, reg b) { return _mm512_mul_pd(a, b); }
   static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_pd(a, b, c); }
   static reg max(reg a, reg b) { return _mm512_max_pd(a, b); }
+  static reg div(reg a, reg b) { return _mm512_div_pd(a, b); }
+  static reg abs(reg x) { return _mm512_abs_pd(x); }
+  static reg copysign(reg mag, reg sgn) {
+    const __m512i bit = _mm512_set1_epi64(int64_t(0x8000000000000000ull));
+    return _mm512_castsi512_pd(_mm512_or_si512(_mm512_andnot_si512(bit, _mm512_castpd_si512(mag)),
+                                               _mm512_and_si512(bit, _mm512_castpd_si512(sgn))));
+  }
   static reg fma_nonzero(reg a, reg b, reg c) {
     return _mm512_mask3_fmadd_pd(a, b, c, _mm512_cmp_pd_mask(a, zero(), _CMP_NEQ_UQ));
   }
@@ -416,6 +430,11 @@ struct Simd<float> {
   static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
   static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
   static reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
+  static reg div(reg a, reg b) { return _mm256_div_ps(a, b); }
+  static reg abs(reg x) { return _mm256_andnot_ps(set1(-0.0f), x); }
+  static reg copysign(reg mag, reg sgn) {
+    return _mm256_or_ps(_mm256_andnot_ps(set1(-0.0f), mag), _mm256_and_ps(set1(-0.0f), sgn));
+  }
   static reg fma_nonzero(reg a, reg b, reg c) {
     return _mm256_blendv_ps(c, fma(a, b, c), _mm256_cmp_ps(a, zero(), _CMP_NEQ_UQ));
   }
@@ -548,6 +567,11 @@ struct Simd<double> {
   static reg mul(reg a, reg b) { return _mm256_mul_pd(a, b); }
   static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_pd(a, b, c); }
   static reg max(reg a, reg b) { return _mm256_max_pd(a, b); }
+  static reg div(reg a, reg b) { return _mm256_div_pd(a, b); }
+  static reg abs(reg x) { return _mm256_andnot_pd(set1(-0.0), x); }
+  static reg copysign(reg mag, reg sgn) {
+    return _mm256_or_pd(_mm256_andnot_pd(set1(-0.0), mag), _mm256_and_pd(set1(-0.0), sgn));
+  }
   static reg fma_nonzero(reg a, reg b, reg c) {
     return _mm256_blendv_pd(c, fma(a, b, c), _mm256_cmp_pd(a, zero(), _CMP_NEQ_UQ));
   }
@@ -634,6 +658,9 @@ struct Simd {
   static reg mul(reg a, reg b) { return a * b; }
   static reg fma(reg a, reg b, reg c) { return a * b + c; }  // not contracted: -ffp-contract=off
   static reg max(reg a, reg b) { return a > b ? a : b; }
+  static reg div(reg a, reg b) { return a / b; }
+  static reg abs(reg x) { return std::fabs(x); }
+  static reg copysign(reg mag, reg sgn) { return std::copysign(mag, sgn); }
   static reg fma_nonzero(reg a, reg b, reg c) { return a != T(0) ? a * b + c : c; }
   static reg neg_inf_to_zero(reg x) { return x == -std::numeric_limits<T>::infinity() ? T(0) : x; }
   static uint32_t allowed_lanes(reg x) { return x != -std::numeric_limits<T>::infinity(); }

@@ -25,6 +25,10 @@ def scaled_dot_product_attention(
     return_weights=False,
     out=None,
     num_threads=None,
+    window=None,
+    softcap=None,
+    sinks=None,
+    alibi_slopes=None,
 ):
     """Scaled dot-product attention, softmax(Q Kᵀ · scale + mask) V, computed by a fused kernel.
 
@@ -55,6 +59,22 @@ def scaled_dot_product_attention(
         C-contiguous output of the right shape and dtype, not overlapping any input; returned.
     num_threads : int, optional
         Threads for this call; default pyattn.get_num_threads().
+    window : (int or None, int or None), optional
+        Sliding window ``(left, right)``: query i sees key j only when d(i) - left <= j <= d(i) + right,
+        with d(i) = i + S - L for ``is_causal="lower_right"`` and d(i) = i otherwise; None on a side is
+        unbounded. Hugging Face's ``sliding_window=W`` on a causal model is ``window=(W - 1, 0)``.
+        Combines with is_causal and attn_mask (all apply). Key blocks outside every row's window are
+        skipped: the cost grows with L · (left + right + 1), not L · S.
+    softcap : float, optional
+        Logit softcap c > 0 (Gemma 2): each scaled score s becomes c · tanh(s / c) before the ALiBi
+        term and attn_mask are added.
+    sinks : array_like, shape (Hq,), optional
+        One extra logit per query head that joins every softmax denominator and has no value row
+        (gpt-oss): out_i = Σ_j e^{s_ij} v_j / (e^{sink_h} + Σ_j e^{s_ij}); finite or -inf (no sink).
+        Returned weights then sum to less than 1; a row with no allowed key still returns zeros.
+    alibi_slopes : array_like, shape (Hq,) or (..., Hq), optional
+        ALiBi: adds -slope_h · |d(i) - j| to the scaled scores (after softcap), d(i) as for window;
+        broadcast against the output's batch dimensions. Finite, any sign.
 
     Returns
     -------
@@ -78,4 +98,21 @@ def scaled_dot_product_attention(
         attn_mask = as_array(attn_mask, "attn_mask")
     if out is not None and type(out) is not ndarray:
         refuse_masked(out, "out")
-    return _core.sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, return_weights, out, num_threads)
+    if window is None and softcap is None and sinks is None and alibi_slopes is None:
+        return _core.sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, return_weights, out, num_threads)
+    return _core.sdpa(
+        query,
+        key,
+        value,
+        attn_mask,
+        is_causal,
+        scale,
+        enable_gqa,
+        return_weights,
+        out,
+        num_threads,
+        window,
+        softcap,
+        sinks,
+        alibi_slopes,
+    )

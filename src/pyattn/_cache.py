@@ -358,7 +358,7 @@ class KVCache:
             self._attend_key = key
         return self._attend_state
 
-    def attend(self, query, *, scale=None, num_threads=None):
+    def attend(self, query, *, scale=None, num_threads=None, window=None, softcap=None, sinks=None, alibi_slopes=None):
         """Attention of the last appended chunk's queries over each row's cached keys.
 
         Query i of row b is at position lengths[b] - num_new[b] - first[b] + i, with first[b] = 0
@@ -375,6 +375,10 @@ class KVCache:
             Multiplies Q Kᵀ; default 1/sqrt(head_dim).
         num_threads : int, optional
             Threads for this call; default pyattn.get_num_threads().
+        window, softcap, sinks, alibi_slopes : optional
+            As in :func:`pyattn.scaled_dot_product_attention`, with d(i) each query's own position
+            (the causal alignment); only the keys inside a window are read. alibi_slopes is (num_heads,)
+            or (batch, num_heads).
 
         Returns
         -------
@@ -403,8 +407,24 @@ class KVCache:
             q = q.astype(self._compute)
         kv_len, lengths, causal_offsets = self._causal_state()
         # Read in place by the kernels (16-bit storage converted to float32 a key block at a time).
+        if window is None and softcap is None and sinks is None and alibi_slopes is None:
+            return _core.sdpa_cache(
+                q, self._k_core, self._v_core, self._half, kv_len, lengths, causal_offsets, scale, num_threads
+            )
         return _core.sdpa_cache(
-            q, self._k_core, self._v_core, self._half, kv_len, lengths, causal_offsets, scale, num_threads
+            q,
+            self._k_core,
+            self._v_core,
+            self._half,
+            kv_len,
+            lengths,
+            causal_offsets,
+            scale,
+            num_threads,
+            window,
+            softcap,
+            sinks,
+            alibi_slopes,
         )
 
 
