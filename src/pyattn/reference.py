@@ -2,21 +2,24 @@
 """Naive float64 NumPy references for :func:`pyattn.scaled_dot_product_attention` and :func:`pyattn.mha`.
 
 Obvious code that materialises the full (..., Hq, L, S) score matrix; tests hold the fast path
-against it. It shares no code with ``pyattn._api`` or ``pyattn._mha``; :func:`mha` is projections,
-head split and merge around this module's own :func:`scaled_dot_product_attention`.
+against it. It shares no code with ``pyattn._api`` or ``pyattn._mha`` and imports no compiled
+module; :func:`mha` is projections, head split and merge around this module's own
+:func:`scaled_dot_product_attention`. The attention variants (sliding ``window``, ``softcap``,
+per-head ``sinks``, ``alibi_slopes``) and FlashAttention's packed layout (:func:`varlen_attention`)
+are spelled out here as the contract the fast path is held to.
 
 Masked-row policy (the same as the fast path): a key is *forbidden* for a query when the boolean
-mask is False, the float mask is -inf, or the causal rule excludes it. Forbidden keys are removed
-with ``np.where`` selections, never multiplied by a zero weight, so NaN/Inf in their K or V rows
-cannot leak. A query row with no allowed key gets zero output and zero weights. NaN/Inf at allowed
-positions propagate as the math says.
+mask is False, the float mask is -inf, or the causal rule or the window excludes it. Forbidden keys
+are removed with ``np.where`` selections, never multiplied by a zero weight, so NaN/Inf in their K
+or V rows cannot leak. A query row with no allowed key gets zero output and zero weights (also with
+sinks). NaN/Inf at allowed positions propagate as the math says.
 """
 
 import math
 
 import numpy as np
 
-__all__ = ["mha", "scaled_dot_product_attention"]
+__all__ = ["mha", "scaled_dot_product_attention", "varlen_attention"]
 
 
 def _is_float_mask(mask):
@@ -25,21 +28,69 @@ def _is_float_mask(mask):
     return dtype.kind == "f" or dtype.name == "bfloat16"
 
 
-def _allowed_keys(mask, is_causal, q_len, kv_len):
-    """Boolean array broadcastable to (..., L, S): True where a query may attend a key."""
-    allowed = np.ones((q_len, kv_len), dtype=bool)
+def _diagonal(is_causal, q_len, kv_len):
+    """(causal, offset): whether the causal rule applies, and query i's diagonal key d(i) = i + offset
+    that the causal rule, the window and ALiBi all measure from (S - L for "lower_right", else 0)."""
     if isinstance(is_causal, np.bool_):
         is_causal = bool(is_causal)
-    if is_causal is not False:
-        if is_causal is True or is_causal == "upper_left":
-            offset = 0
-        elif is_causal == "lower_right":
-            offset = kv_len - q_len
-        else:
-            raise ValueError(f"is_causal must be False, True, 'upper_left' or 'lower_right', got {is_causal!r}")
-        i = np.arange(q_len)[:, None]
-        j = np.arange(kv_len)[None, :]
+    if is_causal is False or is_causal is True or is_causal == "upper_left":
+        return is_causal is not False, 0
+    if is_causal == "lower_right":
+        return True, kv_len - q_len
+    raise ValueError(f"is_causal must be False, True, 'upper_left' or 'lower_right', got {is_causal!r}")
+
+
+def _check_window(window):
+    """`window` as a (left, right) tuple of non-negative ints or None (None: unbounded on that side)."""
+    if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
+        raise TypeError(f"window: expected a (left, right) pair, got {window!r}")
+    for side in window:
+        if side is not None and (isinstance(side, (bool, np.bool_)) or not isinstance(side, (int, np.integer))):
+            raise TypeError(f"window: each side must be an int or None, got {window!r}")
+        if side is not None and side < 0:
+            raise ValueError(f"window: each side must be >= 0, got {window!r}")
+    return tuple(None if side is None else int(side) for side in window)
+
+
+def _check_softcap(softcap):
+    """`softcap` as a finite float > 0."""
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.integer, np.floating)):
+        raise TypeError(f"softcap: expected a positive number, got {softcap!r}")
+    if not math.isfinite(softcap) or softcap <= 0:
+        raise ValueError(f"softcap: must be finite and > 0, got {softcap!r}")
+    return float(softcap)
+
+
+def _per_head(values, name, num_heads, head_axis, batched, finite):
+    """`values` of shape (num_heads,), or (..., num_heads) when `batched`, in float64 and shaped to
+    broadcast against the (..., Hq, L, S) scores; without `head_axis` (a 2-D query, one head and no
+    head axis) the scores are (..., L, S) and num_heads is 1. NaN is refused, and so is +/-inf
+    when `finite`."""
+    a = np.asarray(values, dtype=np.float64)
+    if a.ndim < 1 or a.shape[-1] != num_heads or (a.ndim > 1 and not batched):
+        expected = f"(..., {num_heads})" if batched else f"({num_heads},)"
+        raise ValueError(f"{name}: expected shape {expected}, got {a.shape}")
+    if np.isnan(a).any() or (finite and not np.isfinite(a).all()):
+        raise ValueError(f"{name}: must not contain NaN{' or inf' if finite else ''}")
+    if not head_axis:
+        a = a[..., 0]
+    return a[..., None, None]
+
+
+def _allowed_keys(mask, is_causal, window, q_len, kv_len):
+    """Boolean array broadcastable to (..., L, S): True where a query may attend a key."""
+    causal, offset = _diagonal(is_causal, q_len, kv_len)
+    i = np.arange(q_len)[:, None]
+    j = np.arange(kv_len)[None, :]
+    allowed = np.ones((q_len, kv_len), dtype=bool)
+    if causal:
         allowed = j <= i + offset
+    if window is not None:
+        left, right = window
+        if left is not None:
+            allowed = allowed & (j >= i + offset - left)
+        if right is not None:
+            allowed = allowed & (j <= i + offset + right)
     if mask is not None:
         mask = np.asarray(mask)
         if mask.dtype == np.bool_:
@@ -49,6 +100,14 @@ def _allowed_keys(mask, is_causal, q_len, kv_len):
         else:
             raise TypeError(f"attn_mask must be bool or floating, got {mask.dtype}")
     return allowed
+
+
+def _sink_term(sink, row_max):
+    """e^(sink - row_max), the sink's share of a softmax denominator whose max is already `row_max`
+    (>= sink). A -inf sink adds exactly 0, as no sink would; sink == row_max gives 1 without
+    forming inf - inf for an infinite sink."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.where(sink == -np.inf, 0.0, np.where(sink == row_max, 1.0, np.exp(sink - row_max)))
 
 
 def scaled_dot_product_attention(
@@ -61,11 +120,31 @@ def scaled_dot_product_attention(
     scale=None,
     enable_gqa=False,
     return_weights=False,
+    window=None,
+    softcap=None,
+    sinks=None,
+    alibi_slopes=None,
 ):
     """softmax(query @ key^T * scale + mask) @ value, computed in float64.
 
     Same arguments and shapes as :func:`pyattn.scaled_dot_product_attention` (without ``out`` and
     ``num_threads``). Returns ``out`` or ``(out, weights)``, both float64.
+
+    The variants, each off when None. Query i's diagonal key is d(i) = i + (S - L) when
+    ``is_causal == "lower_right"``, else d(i) = i.
+
+    - ``window=(left, right)``: query i may attend key j only when d(i) - left <= j <= d(i) + right
+      (a None side is unbounded); it forbids keys like a mask, together with ``is_causal`` and
+      ``attn_mask``.
+    - ``softcap=c`` (> 0): each scaled score s becomes c * tanh(s / c).
+    - ``alibi_slopes`` (Hq,) or (..., Hq): -slope_h * |d(i) - j| is added to the scores; leading
+      dimensions broadcast against the output's batch dimensions.
+    - ``sinks`` (Hq,): one extra logit per query head in every softmax denominator, with no value
+      row: out_i = sum_j e^(s_ij) v_j / (e^sink_h + sum_j e^(s_ij)), so the weights sum to less than
+      1. A -inf sink is no sink.
+
+    Order: scores = q @ k^T * scale, softcap, + ALiBi bias, + float mask, softmax (with sinks). A
+    2-D query is one head: sinks and alibi_slopes then have Hq = 1. Fully masked rows stay zero.
     """
     q = np.asarray(query, dtype=np.float64)
     k = np.asarray(key, dtype=np.float64)
@@ -89,10 +168,26 @@ def scaled_dot_product_attention(
     kv_len = k.shape[-2]
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    head_axis = q.ndim >= 3
+    num_heads = q.shape[-3] if head_axis else 1
+    window = None if window is None else _check_window(window)
+    softcap = None if softcap is None else _check_softcap(softcap)
+    if sinks is not None:
+        # A -inf sink is no sink and a +inf sink takes the whole softmax: both are meaningful.
+        sinks = _per_head(sinks, "sinks", num_heads, head_axis, batched=False, finite=False)
+    if alibi_slopes is not None:
+        # An infinite slope would make the diagonal's bias inf * 0.
+        alibi_slopes = _per_head(alibi_slopes, "alibi_slopes", num_heads, head_axis, batched=True, finite=True)
 
-    allowed = _allowed_keys(attn_mask, is_causal, q_len, kv_len)
+    allowed = _allowed_keys(attn_mask, is_causal, window, q_len, kv_len)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         scores = (q @ np.swapaxes(k, -1, -2)) * scale
+        if softcap is not None:
+            scores = softcap * np.tanh(scores / softcap)
+        if alibi_slopes is not None:
+            _, offset = _diagonal(is_causal, q_len, kv_len)
+            distance = np.abs(np.arange(q_len)[:, None] + offset - np.arange(kv_len)[None, :])
+            scores = scores + (-alibi_slopes * distance)
         if attn_mask is not None and _is_float_mask(attn_mask):
             # -inf entries are forbidden (and excluded below); other values are added.
             scores = scores + np.where(allowed, np.asarray(attn_mask, dtype=np.float64), 0.0)
@@ -102,8 +197,13 @@ def scaled_dot_product_attention(
         row_max = np.max(scores, axis=-1, keepdims=True, initial=-np.inf)
         any_allowed = allowed.any(axis=-1, keepdims=True)
         row_max = np.where(any_allowed, row_max, 0.0)  # fully masked rows: avoid -inf - -inf
+        if sinks is not None:
+            # The sink joins the max, so neither it nor a score can overflow exp.
+            row_max = np.maximum(row_max, sinks)
         exps = np.where(allowed, np.exp(scores - row_max), 0.0)
         row_sum = exps.sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            row_sum = row_sum + _sink_term(sinks, row_max)
         weights = exps / np.where(any_allowed, row_sum, 1.0)
 
         if np.isfinite(v).all():
@@ -117,6 +217,75 @@ def scaled_dot_product_attention(
         # Weights take the output's batch shape (value or the mask may add batch dimensions).
         weights = np.broadcast_to(weights, out.shape[:-2] + weights.shape[-2:]).copy()
         return out, weights
+    return out
+
+
+def _check_cu_seqlens(cu_seqlens, name, total):
+    """`cu_seqlens` as an int64 array: 1-D integers starting at 0, non-decreasing, ending at `total`."""
+    cu = np.asarray(cu_seqlens)
+    if cu.ndim != 1 or cu.size == 0 or cu.dtype.kind not in "iu":
+        raise ValueError(f"{name}: expected a non-empty 1-D integer array, got {cu.dtype} shape {cu.shape}")
+    cu = cu.astype(np.int64)
+    if cu[0] != 0 or cu[-1] != total or (np.diff(cu) < 0).any():
+        raise ValueError(f"{name}: must start at 0, not decrease and end at the total length {total}, got {cu}")
+    return cu
+
+
+def varlen_attention(
+    query,
+    key,
+    value,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    is_causal=False,
+    window=None,
+    softcap=None,
+    sinks=None,
+    alibi_slopes=None,
+    scale=None,
+    enable_gqa=False,
+):
+    """Attention over sequences packed along the token axis (FlashAttention's varlen layout), in float64.
+
+    ``query`` (total_q, Hq, E), ``key`` (total_k, Hk, E) and ``value`` (total_k, Hk, Ev) hold the
+    tokens of all sequences back to back; ``cu_seqlens_q`` and ``cu_seqlens_k`` (batch + 1,) are the
+    integer prefix sums of their lengths. Sequence b is query rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
+    against keys cu_seqlens_k[b]:cu_seqlens_k[b+1], computed by :func:`scaled_dot_product_attention`
+    on its (H, len, E) transposes with the other arguments unchanged (``alibi_slopes`` (Hq,) only).
+    A sequence without keys gives zeros. Returns (total_q, Hq, Ev) float64.
+    """
+    q = np.asarray(query, dtype=np.float64)
+    k = np.asarray(key, dtype=np.float64)
+    v = np.asarray(value, dtype=np.float64)
+    for name, x in (("query", q), ("key", k), ("value", v)):
+        if x.ndim != 3:
+            raise ValueError(f"{name}: expected (total, heads, head_dim), got shape {x.shape}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"key and value: total and heads must agree, got {k.shape} and {v.shape}")
+    cu_q = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0])
+    cu_k = _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0])
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k: lengths differ, {cu_q.size} != {cu_k.size}")
+    if alibi_slopes is not None and np.ndim(alibi_slopes) != 1:
+        raise ValueError(f"alibi_slopes: expected shape ({q.shape[1]},), got {np.shape(alibi_slopes)}")
+
+    out = np.zeros(q.shape[:2] + v.shape[2:])
+    for b in range(cu_q.size - 1):
+        rows = slice(cu_q[b], cu_q[b + 1])
+        keys = slice(cu_k[b], cu_k[b + 1])
+        out[rows] = scaled_dot_product_attention(
+            q[rows].transpose(1, 0, 2),
+            k[keys].transpose(1, 0, 2),
+            v[keys].transpose(1, 0, 2),
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
+            alibi_slopes=alibi_slopes,
+        ).transpose(1, 0, 2)
     return out
 
 
@@ -203,6 +372,27 @@ def _layer_mask(attn_mask, key_padding_mask, unbatched, batch, num_heads, q_len,
     return mask
 
 
+def _check_packed(query, attn_mask, key_padding_mask, need_weights):
+    """mha's inputs with cu_seqlens: packed (total, E) query, neither mask, no weights."""
+    if query.ndim != 2:
+        raise ValueError(f"query: expected packed (total, E) with cu_seqlens, got shape {query.shape}")
+    for name, x in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
+        if x is not None:
+            raise ValueError(f"{name}: not supported with cu_seqlens")
+    if need_weights:
+        raise ValueError("need_weights: not supported with cu_seqlens")
+
+
+def _packed_attention(q, k, v, cu_seqlens, is_causal, variants):
+    """mha's attention step on packed tokens: q, k, v are (1, heads, total, head_dim), the one batch
+    of an unbatched call, and so is the result."""
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"key: with cu_seqlens, needs as many tokens as query ({q.shape[2]}), got {k.shape[2]}")
+    packed = (x[0].transpose(1, 0, 2) for x in (q, k, v))
+    context = varlen_attention(*packed, cu_seqlens, cu_seqlens, is_causal=is_causal, enable_gqa=True, **variants)
+    return context.transpose(1, 0, 2)[None]
+
+
 def mha(
     query,
     key=None,
@@ -226,6 +416,11 @@ def mha(
     average_attn_weights=True,
     num_kv_heads=None,
     num_threads=None,
+    window=None,
+    softcap=None,
+    sinks=None,
+    alibi_slopes=None,
+    cu_seqlens=None,
 ):
     """Multi-head attention layer (torch.nn.MultiheadAttention, batch_first=True, eval), in float64.
 
@@ -243,17 +438,25 @@ def mha(
        keys; float masks are added to the scaled scores (-inf forbids). ``is_causal`` applies on
        top (False, True/"upper_left", "lower_right"). A query row with no allowed key gets a zero
        context vector (and zero weights), so its output is ``out_proj_bias`` (or 0).
+       ``window``, ``softcap``, ``sinks`` and ``alibi_slopes`` (num_heads,) go to it unchanged.
     4. merge heads: (B, num_heads, L, head_dim) -> (B, L, E); out = context @ Wo.T + bo.
 
     Unbatched inputs (L, E) with masks (L, S) / (num_heads, L, S) and (S,) are run as batch 1.
     Returns ``out`` (B, L, E), or ``(out, weights)`` when ``need_weights``: weights (B, L, S)
     averaged over heads when ``average_attn_weights``, else (B, num_heads, L, S). All float64.
+
+    With ``cu_seqlens`` (batch + 1,), query (total, E) and key/value (total, kdim/vdim) are packed
+    sequences, step 3 is :func:`varlen_attention` with ``cu_seqlens`` for queries and keys alike,
+    and the result is ``out`` (total, E); masks and ``need_weights`` are refused (ValueError).
     """
     del num_threads  # the reference is single-threaded NumPy
     query = np.asarray(query)
     if query.ndim not in (2, 3):
         raise ValueError(f"query: expected (B, L, E) or unbatched (L, E), got shape {query.shape}")
     unbatched = query.ndim == 2
+    if cu_seqlens is not None:
+        # Packed tokens (total, E) are run like one unbatched sequence up to the attention step.
+        _check_packed(query, attn_mask, key_padding_mask, need_weights)
     key = query if key is None else np.asarray(key)
     value = key if value is None else np.asarray(value)
     for name, x in (("key", key), ("value", value)):
@@ -299,12 +502,17 @@ def mha(
     k = k.reshape(batch, kv_len, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
     v = v.reshape(batch, kv_len, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
 
-    # 3. One additive (B, num_heads, L, S) mask from both PyTorch-convention masks.
-    mask = _layer_mask(attn_mask, key_padding_mask, unbatched, batch, num_heads, q_len, kv_len)
-    attn = scaled_dot_product_attention(
-        q, k, v, mask, is_causal=is_causal, enable_gqa=True, return_weights=need_weights
-    )
-    context, weights = attn if need_weights else (attn, None)
+    # 3. Attention: one additive (B, num_heads, L, S) mask from both PyTorch-convention masks, or
+    # the packed sequences.
+    variants = dict(window=window, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
+    if cu_seqlens is None:
+        mask = _layer_mask(attn_mask, key_padding_mask, unbatched, batch, num_heads, q_len, kv_len)
+        attn = scaled_dot_product_attention(
+            q, k, v, mask, is_causal=is_causal, enable_gqa=True, return_weights=need_weights, **variants
+        )
+        context, weights = attn if need_weights else (attn, None)
+    else:
+        context, weights = _packed_attention(q, k, v, cu_seqlens, is_causal, variants), None
 
     # 4. Merge heads and project out.
     context = context.transpose(0, 2, 1, 3).reshape(batch, q_len, embed_dim)
