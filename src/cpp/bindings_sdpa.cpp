@@ -486,6 +486,164 @@ py::object sdpa_cache(py::handle query, const py::array& k_store, const py::arra
   return c.out;
 }
 
+// pyattn.varlen_attention: FlashAttention's packed layout, query (total_q, Hq, E), key (total_k, Hk,
+// E), value (total_k, Hk, Ev), sequence b being rows cu_q[b]:cu_q[b + 1] against rows cu_k[b]:cu_k[b + 1].
+// Each sequence is one call of the driver on views of the packed arrays (no copy, no padding, no
+// work across sequences), writing its rows of the packed output in place.
+struct Packed {
+  py::array q = no_array(), k = no_array(), v = no_array(), out = no_array();
+  Storage kv_storage = Storage::same;
+  std::vector<int64_t> cu_q, cu_k;
+  int64_t num_heads = 0, group = 1, head_dim = 0, value_dim = 0;
+  bool causal = false, lower_right = false;
+  Variants variants;
+  double scale = 1.0;
+  int threads = 0;
+};
+
+// A cu_seqlens argument as int64 values: 1-D integers starting at 0, non-decreasing, ending at total.
+std::vector<int64_t> parse_cu_seqlens(py::handle obj, const char* name, int64_t total) {
+  const std::string n(name);
+  py::array arr = is_ndarray(obj) ? py::reinterpret_borrow<py::array>(obj)
+                                  : py::array(py::module_::import("numpy").attr("asarray")(obj));
+  const char kind = arr.dtype().kind();
+  if ((kind != 'i' && kind != 'u') || arr.ndim() != 1)
+    type_fail(n + ": expected a 1-D int32 or int64 array of batch + 1 prefix sums, got " + str_of(arr.dtype()) +
+              " array of shape " + str_of(arr.attr("shape")));
+  const py::array wide = py::module_::import("numpy").attr("ascontiguousarray")(arr, "int64");
+  const int64_t* p = static_cast<const int64_t*>(wide.data());
+  std::vector<int64_t> cu(p, p + wide.size());
+  if (cu.empty() || cu[0] != 0) fail(n + ": must start at 0");
+  for (size_t b = 1; b < cu.size(); ++b)
+    if (cu[b] < cu[b - 1]) fail(n + ": must be non-decreasing, got " + repr_of(obj));
+  if (cu.back() != total)
+    fail(n + ": must end at the total length " + std::to_string(total) + ", got " + std::to_string(cu.back()));
+  return cu;
+}
+
+template <class T>
+void launch_varlen(const Packed& c) {
+  const int64_t hq = c.num_heads, batch = int64_t(c.cu_q.size()) - 1;
+  const Layout q = layout_of(c.q, false), k = layout_of(c.k, false), v = layout_of(c.v, false);
+  std::vector<int64_t> offsets(size_t(3 * hq));
+  AttnArgs<T> a;
+  a.batch_heads = hq;
+  a.num_heads = hq;
+  a.group = c.group;
+  a.head_dim = c.head_dim;
+  a.value_dim = c.value_dim;
+  a.q = static_cast<const T*>(c.q.data());
+  a.k = static_cast<const T*>(c.k.data());
+  a.v = static_cast<const T*>(c.v.data());
+  a.kv_storage = c.kv_storage;
+  a.q_offset = offsets.data();
+  a.k_offset = offsets.data() + hq;
+  a.v_offset = offsets.data() + 2 * hq;
+  a.q_stride_l = q.strides[0];
+  a.k_stride_s = k.strides[0];
+  a.v_stride_s = v.strides[0];
+  a.out_stride_h = c.value_dim;
+  a.out_stride_l = hq * c.value_dim;
+  a.scale = c.scale;
+  T* out = static_cast<T*>(const_cast<void*>(c.out.data()));
+  py::gil_scoped_release release;
+  for (int64_t b = 0; b < batch; ++b) {
+    a.q_len = c.cu_q[size_t(b) + 1] - c.cu_q[size_t(b)];
+    a.kv_len = c.cu_k[size_t(b) + 1] - c.cu_k[size_t(b)];
+    if (a.q_len == 0) continue;
+    for (int64_t h = 0; h < hq; ++h) {
+      offsets[size_t(h)] = c.cu_q[size_t(b)] * q.strides[0] + h * q.strides[1];
+      offsets[size_t(hq + h)] = c.cu_k[size_t(b)] * k.strides[0] + h / c.group * k.strides[1];
+      offsets[size_t(2 * hq + h)] = c.cu_k[size_t(b)] * v.strides[0] + h / c.group * v.strides[1];
+    }
+    a.out = out + c.cu_q[size_t(b)] * a.out_stride_l;
+    c.variants.apply(a, c.causal, c.lower_right ? a.kv_len - a.q_len : 0);
+    scaled_dot_product_attention<T>(a, c.threads);
+  }
+}
+
+py::object varlen(py::handle query, py::handle key, py::handle value, py::handle cu_seqlens_q, py::handle cu_seqlens_k,
+                  py::handle is_causal, py::handle scale, py::handle enable_gqa, py::handle out_obj,
+                  py::handle num_threads, py::handle window, py::handle softcap, py::handle sinks,
+                  py::handle alibi_slopes) {
+  const py::array q_in = float_input(query, "query"), k_in = float_input(key, "key"),
+                  v_in = float_input(value, "value");
+  const py::dtype dtype = q_in.dtype();
+  const FloatKind kind = float_kind(dtype);
+  if (float_kind(k_in.dtype()) != kind || float_kind(v_in.dtype()) != kind)
+    type_fail("query, key and value must have the same dtype, got " + str_of(dtype) + ", " + str_of(k_in.dtype()) +
+              " and " + str_of(v_in.dtype()));
+  if (q_in.ndim() != 3 || k_in.ndim() != 3 || v_in.ndim() != 3)
+    fail("query, key and value: expected packed (total_len, heads, dim) arrays, got shapes " +
+         str_of(q_in.attr("shape")) + ", " + str_of(k_in.attr("shape")) + " and " + str_of(v_in.attr("shape")));
+  Packed c;
+  c.threads = parse_threads(num_threads);
+  c.num_heads = q_in.shape(1);
+  c.head_dim = q_in.shape(2);
+  c.value_dim = v_in.shape(2);
+  const int64_t num_kv_heads = k_in.shape(1);
+  if (k_in.shape(2) != c.head_dim)
+    fail("key: last dimension must equal query's (" + std::to_string(c.head_dim) + "), got key shape " +
+         str_of(k_in.attr("shape")));
+  if (v_in.shape(0) != k_in.shape(0) || v_in.shape(1) != num_kv_heads)
+    fail("value: (total_k, heads) must equal key's, got value shape " + str_of(v_in.attr("shape")));
+  if (truthy(enable_gqa)) {
+    if (num_kv_heads == 0 || c.num_heads % num_kv_heads != 0)
+      fail("enable_gqa: query heads (" + std::to_string(c.num_heads) + ") must be a multiple of key/value heads (" +
+           std::to_string(num_kv_heads) + ")");
+  } else if (c.num_heads != num_kv_heads) {
+    fail("key: number of heads (" + std::to_string(num_kv_heads) + ") must equal query's (" +
+         std::to_string(c.num_heads) + "); pass enable_gqa=True for grouped-query attention");
+  }
+  c.group = num_kv_heads > 0 ? c.num_heads / num_kv_heads : 1;
+  c.cu_q = parse_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q_in.shape(0));
+  c.cu_k = parse_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k_in.shape(0));
+  if (c.cu_q.size() != c.cu_k.size())
+    fail("cu_seqlens_q and cu_seqlens_k: must have the same length (batch + 1), got " + std::to_string(c.cu_q.size()) +
+         " and " + std::to_string(c.cu_k.size()));
+  const Causal causal = parse_causal(is_causal);
+  c.causal = causal != Causal::none;
+  c.lower_right = causal == Causal::lower_right;
+  c.scale = parse_scale(scale, c.head_dim);
+  c.variants = parse_variants(window, softcap, sinks, alibi_slopes, Dims{}, c.num_heads);
+  const Dims out_shape{q_in.shape(0), c.num_heads, c.value_dim};
+  if (!out_obj.is_none()) check_out(out_obj, dtype, out_shape, {{"query", q_in}, {"key", k_in}, {"value", v_in}});
+  const bool half = is_half(kind);
+  const py::dtype compute = half ? py::dtype::of<float>() : dtype;
+  const bool in_place =
+      !out_obj.is_none() && !half &&
+      reinterpret_cast<uintptr_t>(py::reinterpret_borrow<py::array>(out_obj).data()) % dtype.itemsize() == 0;
+  // Zeros: rows of a sequence without keys are never written by the driver's loop.
+  c.out = in_place ? py::reinterpret_borrow<py::array>(out_obj) : array_on_line(compute, out_shape, "out", 0, true);
+  if (in_place) c.out.attr("fill")(0);
+  if (c.out.size() > 0) {
+    c.q = half ? widen(q_in, kind, c.threads, "query") : kernel_layout(q_in, true, "query");
+    if (half) {
+      c.k = view_as(kernel_layout(k_in, true, "key"), py::dtype::of<uint16_t>());
+      c.v = view_as(kernel_layout(v_in, true, "value"), py::dtype::of<uint16_t>());
+      c.kv_storage = storage_of(kind);
+    } else {
+      c.k = kernel_layout(k_in, true, "key");
+      c.v = kernel_layout(v_in, true, "value");
+    }
+    if (kind == FloatKind::f64)
+      launch_varlen<double>(c);
+    else
+      launch_varlen<float>(c);
+  }
+  if (half) {
+    py::array narrow =
+        out_obj.is_none() ? array_on_line(dtype, out_shape, "out") : py::reinterpret_borrow<py::array>(out_obj);
+    narrow_into(c.out, narrow, kind, c.threads);
+    return narrow;
+  }
+  if (!out_obj.is_none() && !in_place) {
+    out_obj.attr("__setitem__")(py::ellipsis(), c.out);
+    return py::reinterpret_borrow<py::object>(out_obj);
+  }
+  return c.out;
+}
+
 }  // namespace
 
 void bind_sdpa(py::module_& m) {
@@ -499,6 +657,10 @@ void bind_sdpa(py::module_& m) {
         py::arg("window") = py::none(), py::arg("softcap") = py::none(), py::arg("sinks") = py::none(),
         py::arg("alibi_slopes") = py::none(),
         "KVCache.attend's attention over the cache's storage (arguments prepared by pyattn.KVCache).");
+  m.def("varlen", &varlen, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("cu_seqlens_q"),
+        py::arg("cu_seqlens_k"), py::arg("is_causal"), py::arg("scale"), py::arg("enable_gqa"), py::arg("out"),
+        py::arg("num_threads"), py::arg("window"), py::arg("softcap"), py::arg("sinks"), py::arg("alibi_slopes"),
+        "pyattn.varlen_attention on NumPy arrays: the whole contract (see its docstring).");
 }
 
 }  // namespace pyattn

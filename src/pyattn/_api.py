@@ -116,3 +116,74 @@ def scaled_dot_product_attention(
         sinks,
         alibi_slopes,
     )
+
+
+def varlen_attention(
+    query,
+    key,
+    value,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    is_causal=False,
+    window=None,
+    softcap=None,
+    sinks=None,
+    alibi_slopes=None,
+    scale=None,
+    enable_gqa=False,
+    out=None,
+    num_threads=None,
+):
+    """Attention over a packed batch of variable-length sequences (FlashAttention's varlen layout).
+
+    Sequence b is query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` against key/value rows
+    ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``; sequences never attend across their boundaries, and no work
+    or memory is spent on pairs across them (no padding).
+
+    Parameters
+    ----------
+    query : ndarray, shape (total_q, Hq, E)
+    key : ndarray, shape (total_k, Hk, E)
+    value : ndarray, shape (total_k, Hk, Ev)
+        Same dtypes as :func:`scaled_dot_product_attention`; any strides with a contiguous last axis
+        are read in place.
+    cu_seqlens_q, cu_seqlens_k : array_like of int, shape (batch + 1,)
+        Prefix sums of the sequence lengths: start at 0, non-decreasing, end at total_q / total_k.
+    is_causal, window, softcap, sinks, scale, enable_gqa, num_threads
+        As in :func:`scaled_dot_product_attention`, applied to each sequence on its own (the causal
+        alignment and d(i) use that sequence's L and S).
+    alibi_slopes : array_like, shape (Hq,), optional
+        As in :func:`scaled_dot_product_attention`.
+    out : ndarray, optional
+        C-contiguous (total_q, Hq, Ev) output of the inputs' dtype, not overlapping any input.
+
+    Returns
+    -------
+    ndarray, shape (total_q, Hq, Ev)
+        Rows of a sequence without keys are zeros.
+    """
+    if type(query) is not ndarray and query is not None:
+        query = as_array(query, "query")
+    if type(key) is not ndarray and key is not None:
+        key = as_array(key, "key")
+    if type(value) is not ndarray and value is not None:
+        value = as_array(value, "value")
+    if out is not None and type(out) is not ndarray:
+        refuse_masked(out, "out")
+    return _core.varlen(
+        query,
+        key,
+        value,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        is_causal,
+        scale,
+        enable_gqa,
+        out,
+        num_threads,
+        window,
+        softcap,
+        sinks,
+        alibi_slopes,
+    )
