@@ -29,18 +29,17 @@ struct Variants {
   std::vector<double> sinks;   // [batch_heads], empty: none
   std::vector<double> slopes;  // [batch_heads], empty: none
 
-  // The band (causal, diagonal, window) and the rest into a: `causal` and `diagonal` as the
-  // caller's alignment gives them (d(i) = i + diagonal).
-  template <class T>
-  void apply(AttnArgs<T>& a, bool causal, int64_t diagonal) const {
-    a.causal = causal || has_right;
-    a.causal_offset = diagonal;
-    a.upper_shift = causal ? 0 : (has_right ? right : 0);
-    a.windowed = has_left;
-    a.window_left = has_left ? left : 0;
-    a.softcap = softcap;
-    a.sinks = sinks.empty() ? nullptr : sinks.data();
-    a.alibi_slopes = slopes.empty() ? nullptr : slopes.data();
+  // What the kernels' arguments take (VariantOptions::apply), pointing into this object's arrays.
+  VariantOptions options() const {
+    VariantOptions o;
+    o.has_left = has_left;
+    o.has_right = has_right;
+    o.left = left;
+    o.right = right;
+    o.softcap = softcap;
+    o.sinks = sinks.empty() ? nullptr : sinks.data();
+    o.slopes = slopes.empty() ? nullptr : slopes.data();
+    return o;
   }
 };
 
@@ -122,6 +121,26 @@ inline Variants parse_variants(py::handle window, py::handle softcap, py::handle
     v.slopes = per_head_values(alibi_slopes, "alibi_slopes", full, false);
   }
   return v;
+}
+
+// A cu_seqlens argument as int64 values: 1-D integers starting at 0, non-decreasing, ending at total.
+inline std::vector<int64_t> parse_cu_seqlens(py::handle obj, const char* name, int64_t total) {
+  const std::string n(name);
+  py::array arr = is_ndarray(obj) ? py::reinterpret_borrow<py::array>(obj)
+                                  : py::array(py::module_::import("numpy").attr("asarray")(obj));
+  const char kind = arr.dtype().kind();
+  if ((kind != 'i' && kind != 'u') || arr.ndim() != 1)
+    type_fail(n + ": expected a 1-D int32 or int64 array of batch + 1 prefix sums, got " + str_of(arr.dtype()) +
+              " array of shape " + str_of(arr.attr("shape")));
+  const py::array wide = py::module_::import("numpy").attr("ascontiguousarray")(arr, "int64");
+  const int64_t* p = static_cast<const int64_t*>(wide.data());
+  std::vector<int64_t> cu(p, p + wide.size());
+  if (cu.empty() || cu[0] != 0) fail(n + ": must start at 0");
+  for (size_t b = 1; b < cu.size(); ++b)
+    if (cu[b] < cu[b - 1]) fail(n + ": must be non-decreasing, got " + repr_of(obj));
+  if (cu.back() != total)
+    fail(n + ": must end at the total length " + std::to_string(total) + ", got " + std::to_string(cu.back()));
+  return cu;
 }
 
 }  // namespace pyattn

@@ -14,6 +14,7 @@
 
 #include "attention.h"
 #include "binding_checks.h"
+#include "binding_variants.h"
 #include "parallel.h"
 
 namespace pyattn {
@@ -161,7 +162,8 @@ void layer_weights(const py::tuple& w, int64_t embed_dim, int64_t kv_width, int6
 template <class T>
 void run_mha(const py::array& xq, const py::array& xk, const py::array& xv, const py::tuple& w,
              const std::vector<int64_t>& dims, const py::list& masks, Causal causal, py::array& out,
-             const py::object& weights_obj, int num_threads) {
+             const py::object& weights_obj, int num_threads, const Variants& variants,
+             const std::vector<int64_t>& cu_seqlens) {
   MhaArgs<T> m;
   m.batch = dims[0];
   m.q_len = dims[1];
@@ -199,6 +201,13 @@ void run_mha(const py::array& xq, const py::array& xk, const py::array& xv, cons
   }
   m.causal = causal != Causal::none;
   m.causal_offset = causal_offset(causal, m.q_len, m.kv_len);
+  m.variants = variants.options();
+  if (!cu_seqlens.empty()) {
+    if (m.batch != 1 || m.q_len != m.kv_len || !masks.empty() || !weights_obj.is_none())
+      fail("cu_seqlens: a packed batch is one (total, embed_dim) self-attention input without masks or weights");
+    m.cu_seqlens = cu_seqlens.data();
+    m.num_seqs = int64_t(cu_seqlens.size()) - 1;
+  }
   check_output("out", out, py::dtype::of<T>(), checked_mul(q_rows, m.embed_dim));
   m.out = static_cast<T*>(out.mutable_data());
   if (!weights_obj.is_none()) {
@@ -212,12 +221,16 @@ void run_mha(const py::array& xq, const py::array& xk, const py::array& xv, cons
 
 void mha_py(const py::array& xq, const py::array& xk, const py::array& xv, const py::tuple& w,
             const std::vector<int64_t>& dims, const py::list& masks, py::handle is_causal, py::array out,
-            const py::object& weights, py::handle num_threads) {
+            const py::object& weights, py::handle num_threads, py::handle window, py::handle softcap, py::handle sinks,
+            py::handle alibi_slopes, py::handle cu_seqlens) {
   if (dims.size() != 9) fail("dims must have 9 entries");
   const Causal causal = parse_causal(is_causal);
   const int threads = parse_threads(num_threads);
-  if (is_float32(xq)) return run_mha<float>(xq, xk, xv, w, dims, masks, causal, out, weights, threads);
-  if (is_float64(xq)) return run_mha<double>(xq, xk, xv, w, dims, masks, causal, out, weights, threads);
+  const Variants variants = parse_variants(window, softcap, sinks, alibi_slopes, Dims{dims[0]}, dims[6]);
+  const std::vector<int64_t> cu =
+      cu_seqlens.is_none() ? std::vector<int64_t>{} : parse_cu_seqlens(cu_seqlens, "cu_seqlens", dims[1]);
+  if (is_float32(xq)) return run_mha<float>(xq, xk, xv, w, dims, masks, causal, out, weights, threads, variants, cu);
+  if (is_float64(xq)) return run_mha<double>(xq, xk, xv, w, dims, masks, causal, out, weights, threads, variants, cu);
   fail("query: dtype must be float32 or float64");
 }
 
@@ -252,7 +265,7 @@ const int64_t* lengths_array(const char* name, const py::array& a, int64_t batch
 template <class T>
 void run_mha_cached(const py::array& x, const py::tuple& w, const std::vector<int64_t>& dims, py::array& k_cache,
                     py::array& v_cache, Storage storage, const py::array& before, const py::array& after,
-                    bool left_padded, py::array& out, int num_threads) {
+                    bool left_padded, py::array& out, int num_threads, const Variants& variants) {
   MhaCacheArgs<T> m;
   m.batch = dims[0];
   m.chunk = dims[1];
@@ -286,6 +299,7 @@ void run_mha_cached(const py::array& x, const py::tuple& w, const std::vector<in
       fail("lengths: need 0 <= before <= after <= max_len and after - before <= chunk in every batch row");
   }
   m.left_padded = left_padded;
+  m.variants = variants.options();
   check_output("out", out, py::dtype::of<T>(), checked_mul(rows, m.embed_dim));
   m.out = static_cast<T*>(out.mutable_data());
   py::gil_scoped_release release;
@@ -294,17 +308,19 @@ void run_mha_cached(const py::array& x, const py::tuple& w, const std::vector<in
 
 void mha_cached_py(const py::array& x, const py::tuple& w, const std::vector<int64_t>& dims, py::array k_cache,
                    py::array v_cache, int storage, const py::array& before, const py::array& after, bool left_padded,
-                   py::array out, py::handle num_threads) {
+                   py::array out, py::handle num_threads, py::handle window, py::handle softcap, py::handle sinks,
+                   py::handle alibi_slopes) {
   if (dims.size() != 6) fail("dims must have 6 entries");
   if (storage < 0 || storage > 2) fail("storage must be 0 (same), 1 (float16) or 2 (bfloat16)");
   const int threads = parse_threads(num_threads);
+  const Variants variants = parse_variants(window, softcap, sinks, alibi_slopes, Dims{dims[0]}, dims[3]);
   if (is_float32(x))
     return run_mha_cached<float>(x, w, dims, k_cache, v_cache, Storage(storage), before, after, left_padded, out,
-                                 threads);
+                                 threads, variants);
   if (storage != 0) fail("query: must be float32 with a float16/bfloat16 cache");
   if (is_float64(x))
     return run_mha_cached<double>(x, w, dims, k_cache, v_cache, Storage(storage), before, after, left_padded, out,
-                                  threads);
+                                  threads, variants);
   fail("query: dtype must be float32 or float64");
 }
 
@@ -318,10 +334,13 @@ void bind_mha(py::module_& m) {
         py::arg("out"), py::arg("num_threads"), "out = x @ W.T + bias with W packed by pack_weights.");
   m.def("mha", &mha_py, py::arg("xq"), py::arg("xk"), py::arg("xv"), py::arg("weights"), py::arg("dims"),
         py::arg("masks"), py::arg("is_causal"), py::arg("out"), py::arg("attn_weights"), py::arg("num_threads"),
+        py::arg("window") = py::none(), py::arg("softcap") = py::none(), py::arg("sinks") = py::none(),
+        py::arg("alibi_slopes") = py::none(), py::arg("cu_seqlens") = py::none(),
         "Low-level multi-head attention entry; arguments prepared by pyattn._mha.");
   m.def("mha_cached", &mha_cached_py, py::arg("x"), py::arg("weights"), py::arg("dims"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("storage"), py::arg("lengths_before"), py::arg("lengths_after"),
-        py::arg("left_padded"), py::arg("out"), py::arg("num_threads"),
+        py::arg("left_padded"), py::arg("out"), py::arg("num_threads"), py::arg("window") = py::none(),
+        py::arg("softcap") = py::none(), py::arg("sinks") = py::none(), py::arg("alibi_slopes") = py::none(),
         "Low-level layer step over a KV cache (project, append, attend, project); arguments prepared by "
         "pyattn._mha and pyattn.KVCache.");
 }

@@ -239,7 +239,7 @@ void launch(const Call& c) {
   a.q_stride_l = c.q_stride_l;
   a.k_stride_s = c.k_stride_s;
   a.v_stride_s = c.v_stride_s;
-  c.variants.apply(a, c.causal, c.causal_offset);
+  c.variants.options().apply(a, c.causal, c.causal_offset);
   a.scale = c.scale;
   a.kv_lens = c.kv_lens;
   a.causal_offsets = c.causal_offsets;
@@ -501,26 +501,6 @@ struct Packed {
   int threads = 0;
 };
 
-// A cu_seqlens argument as int64 values: 1-D integers starting at 0, non-decreasing, ending at total.
-std::vector<int64_t> parse_cu_seqlens(py::handle obj, const char* name, int64_t total) {
-  const std::string n(name);
-  py::array arr = is_ndarray(obj) ? py::reinterpret_borrow<py::array>(obj)
-                                  : py::array(py::module_::import("numpy").attr("asarray")(obj));
-  const char kind = arr.dtype().kind();
-  if ((kind != 'i' && kind != 'u') || arr.ndim() != 1)
-    type_fail(n + ": expected a 1-D int32 or int64 array of batch + 1 prefix sums, got " + str_of(arr.dtype()) +
-              " array of shape " + str_of(arr.attr("shape")));
-  const py::array wide = py::module_::import("numpy").attr("ascontiguousarray")(arr, "int64");
-  const int64_t* p = static_cast<const int64_t*>(wide.data());
-  std::vector<int64_t> cu(p, p + wide.size());
-  if (cu.empty() || cu[0] != 0) fail(n + ": must start at 0");
-  for (size_t b = 1; b < cu.size(); ++b)
-    if (cu[b] < cu[b - 1]) fail(n + ": must be non-decreasing, got " + repr_of(obj));
-  if (cu.back() != total)
-    fail(n + ": must end at the total length " + std::to_string(total) + ", got " + std::to_string(cu.back()));
-  return cu;
-}
-
 template <class T>
 void launch_varlen(const Packed& c) {
   const int64_t hq = c.num_heads, batch = int64_t(c.cu_q.size()) - 1;
@@ -546,6 +526,7 @@ void launch_varlen(const Packed& c) {
   a.out_stride_l = hq * c.value_dim;
   a.scale = c.scale;
   T* out = static_cast<T*>(const_cast<void*>(c.out.data()));
+  const VariantOptions variants = c.variants.options();
   py::gil_scoped_release release;
   for (int64_t b = 0; b < batch; ++b) {
     a.q_len = c.cu_q[size_t(b) + 1] - c.cu_q[size_t(b)];
@@ -557,7 +538,7 @@ void launch_varlen(const Packed& c) {
       offsets[size_t(2 * hq + h)] = c.cu_k[size_t(b)] * v.strides[0] + h / c.group * v.strides[1];
     }
     a.out = out + c.cu_q[size_t(b)] * a.out_stride_l;
-    c.variants.apply(a, c.causal, c.lower_right ? a.kv_len - a.q_len : 0);
+    variants.apply(a, c.causal, c.lower_right ? a.kv_len - a.q_len : 0);
     scaled_dot_product_attention<T>(a, c.threads);
   }
 }

@@ -122,14 +122,26 @@ void multi_head_attention(const MhaArgs<T>& m, int num_threads) {
   project<T>(m.xv, m.xv_stride, kv_rows, m.vdim, m.proj.v, v, kv_width, num_threads);
 
   std::vector<int64_t> q_off, kv_off;
-  AttnArgs<T> a = head_split_attention<T>(q, k, v, m.batch, m.q_len, m.kv_len, m.num_heads, m.num_kv_heads, m.head_dim,
-                                          m.kv_len * kv_width, m.head_dim, kv_width, context, q_off, kv_off);
-  a.weights = m.weights;
-  a.masks[0] = m.masks[0];
-  a.masks[1] = m.masks[1];
-  a.causal = m.causal;
-  a.causal_offset = m.causal_offset;
-  scaled_dot_product_attention<T>(a, num_threads);
+  if (m.cu_seqlens) {  // a packed batch: one call per sequence on its rows, nothing across them
+    for (int64_t s = 0; s < m.num_seqs; ++s) {
+      const int64_t first = m.cu_seqlens[s], len = m.cu_seqlens[s + 1] - first;
+      if (len == 0) continue;
+      AttnArgs<T> a = head_split_attention<T>(q + first * q_width, k + first * kv_width, v + first * kv_width, 1, len,
+                                              len, m.num_heads, m.num_kv_heads, m.head_dim, len * kv_width, m.head_dim,
+                                              kv_width, context + first * q_width, q_off, kv_off);
+      m.variants.apply(a, m.causal, 0);
+      scaled_dot_product_attention<T>(a, num_threads);
+    }
+  } else {
+    AttnArgs<T> a =
+        head_split_attention<T>(q, k, v, m.batch, m.q_len, m.kv_len, m.num_heads, m.num_kv_heads, m.head_dim,
+                                m.kv_len * kv_width, m.head_dim, kv_width, context, q_off, kv_off);
+    a.weights = m.weights;
+    a.masks[0] = m.masks[0];
+    a.masks[1] = m.masks[1];
+    m.variants.apply(a, m.causal, m.causal_offset);
+    scaled_dot_product_attention<T>(a, num_threads);
+  }
 
   project<T>(context, q_width, q_rows, q_width, m.proj.o, m.out, m.embed_dim, num_threads);
 }
@@ -197,7 +209,7 @@ void multi_head_attention_cached(const MhaCacheArgs<T>& m, int num_threads) {
                                           m.batch, m.chunk, kv_len, m.num_heads, m.num_kv_heads, dim, m.cache_stride_b,
                                           m.cache_stride_h, m.cache_stride_s, context, q_off, kv_off);
   a.kv_storage = m.storage;
-  a.causal = true;
+  m.variants.apply(a, true, 0);  // each row's diagonal: causal_offsets
   a.kv_lens = m.lengths_after;
   a.causal_offsets = causal_offsets.data();
   scaled_dot_product_attention<T>(a, num_threads);

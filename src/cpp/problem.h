@@ -143,6 +143,29 @@ struct AttnArgs {
   double fmas() const { return double(batch_heads) * double(q_len) * double(kv_len) * double(head_dim + value_dim); }
 };
 
+// The variant options of a call (window, softcap, sinks, ALiBi) as the layer entries carry them to
+// their attention stage; the arrays (per batch * num_heads) belong to the caller.
+struct VariantOptions {
+  bool has_left = false, has_right = false;  // window sides; absent: unbounded
+  int64_t left = 0, right = 0;
+  double softcap = 0.0;
+  const double* sinks = nullptr;
+  const double* slopes = nullptr;
+
+  // Into a, for a call whose diagonal is d(i) = i + diagonal (with `causal`: its upper limit).
+  template <class T>
+  void apply(AttnArgs<T>& a, bool causal, int64_t diagonal) const {
+    a.causal = causal || has_right;
+    a.causal_offset = diagonal;
+    a.upper_shift = causal || !has_right ? 0 : right;
+    a.windowed = has_left;
+    a.window_left = has_left ? left : 0;
+    a.softcap = softcap;
+    a.sinks = sinks;
+    a.alibi_slopes = slopes;
+  }
+};
+
 // How the query tiles run one call, beside its AttnArgs (tuning.cpp, plan_tiles).
 struct TilePlan {
   bool prefetch_kv = false;     // the score tiles prefetch the next key block's K/V rows into L2
@@ -328,6 +351,11 @@ struct MhaArgs {
   MaskSlot masks[2];
   bool causal = false;
   int64_t causal_offset = 0;
+  VariantOptions variants;
+  // A packed batch (batch 1, q_len = kv_len = all tokens): sequence s is rows [cu_seqlens[s],
+  // cu_seqlens[s + 1]) of queries and keys alike, attending within itself only; null: not packed.
+  const int64_t* cu_seqlens = nullptr;
+  int64_t num_seqs = 0;
   T* out = nullptr;
   T* weights = nullptr;
 };
@@ -355,6 +383,7 @@ struct MhaCacheArgs {
   const int64_t* lengths_before = nullptr;  // [batch]
   const int64_t* lengths_after = nullptr;   // [batch]
   bool left_padded = false;
+  VariantOptions variants;
   T* out = nullptr;
 };
 

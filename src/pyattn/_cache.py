@@ -433,17 +433,29 @@ def compute_dtype(cache):
     return cache._compute
 
 
-def layer_step(cache, rows, weights, dims, num_new, left_padded, out, num_threads):
+def layer_step(cache, rows, weights, dims, num_new, left_padded, out, num_threads, variants=(None, None, None, None)):
     """One step of a multi-head layer over `cache` (pyattn.mha / MultiHeadAttention with kv_cache=):
     the chunk's rows (batch * chunk, embed_dim) are projected, their K/V appended (num_new and
     left_padded as in KVCache.append), the queries attend over each row's cached keys, and the output
     projection writes `out`, all in one core call. Raises, changing nothing, as KVCache.append does.
 
     weights: the layer's (q, k, v, out) projections as the core takes them, then their biases; dims:
-    (batch, chunk, embed_dim, num_heads, num_kv_heads, head_dim)."""
+    (batch, chunk, embed_dim, num_heads, num_kv_heads, head_dim); variants: (window, softcap, sinks,
+    alibi_slopes) as KVCache.attend takes them."""
     before, counts, end = cache._plan_append(num_new, dims[1])
     # Positional arguments: keyword matching costs time on every decode step.
     _core.mha_cached(
-        rows, weights, dims, cache._k_core, cache._v_core, cache._half, before, end, bool(left_padded), out, num_threads
+        rows,
+        weights,
+        dims,
+        cache._k_core,
+        cache._v_core,
+        cache._half,
+        before,
+        end,
+        bool(left_padded),
+        out,
+        num_threads,
+        *variants,
     )
     cache._commit_append(counts, end, dims[1], left_padded)

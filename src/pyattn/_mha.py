@@ -63,7 +63,7 @@ def _key_value(q, key, value):
     return float_array(key, "key", q.dtype), float_array(value, "value", q.dtype)
 
 
-def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, num_threads):
+def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, num_threads, variants):
     """Self-attention of new tokens q (batch, chunk, E) over kv_cache, after appending their K/V."""
     if not isinstance(kv_cache, KVCache):
         raise TypeError(f"kv_cache: expected a pyattn.KVCache, got {type(kv_cache).__name__}")
@@ -97,6 +97,7 @@ def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, num_thre
         left_padded,
         out,
         num_threads,
+        variants,
     )
     return out if batched else out[0]
 
@@ -105,6 +106,45 @@ def _sequence_first(x, batch_first):
     """A (len, batch, features) input (batch_first=False) as its (batch, len, features) view; other
     inputs as they are (unbatched 2-D inputs have no batch axis to move, as in torch)."""
     return x if batch_first or x.ndim != 3 else x.swapaxes(0, 1)
+
+
+def _forward_packed(
+    w, query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, num_threads, variants, cu_seqlens
+):
+    """Self-attention over a packed batch: query (total, E) holds the sequences' tokens back to back,
+    sequence s being rows cu_seqlens[s]:cu_seqlens[s + 1]; each attends within itself only."""
+    if attn_mask is not None or key_padding_mask is not None:
+        raise ValueError("cu_seqlens: a packed batch takes no attn_mask or key_padding_mask (it needs no padding)")
+    if need_weights:
+        raise ValueError("need_weights: not supported with cu_seqlens")
+    q = float_array(query, "query")
+    if q.dtype != w.dtype:
+        raise TypeError(f"query: dtype must be {w.dtype} (the weights' dtype), got {q.dtype}")
+    if q.ndim != 2 or q.shape[1] != w.embed_dim:
+        raise ValueError(f"query: with cu_seqlens expected packed tokens (total, {w.embed_dim}), got shape {q.shape}")
+    k, v = _key_value(q, key, value)
+    total = q.shape[0]
+    for name, x, dim in (("key", k, w.kdim), ("value", v, w.vdim)):
+        if x.shape != (total, dim):
+            raise ValueError(
+                f"{name}: with cu_seqlens expected shape {(total, dim)} like query's tokens, got {x.shape}"
+            )
+    out = allocate((total, w.embed_dim), w.dtype, "out")
+    _core.mha(
+        _rows(q, False, "query"),
+        _rows(k, False, "key"),
+        _rows(v, False, "value"),
+        (*w.for_core(), w.bq, w.bk, w.bv, w.bo),
+        [1, total, total, w.embed_dim, w.kdim, w.vdim, w.num_heads, w.num_kv_heads, w.head_dim],
+        [],
+        is_causal,
+        out,
+        None,
+        num_threads,
+        *variants,
+        cu_seqlens,
+    )
+    return out
 
 
 def _forward(
@@ -122,8 +162,26 @@ def _forward(
     num_new=None,
     left_padded=False,
     batch_first=True,
+    variants=(None, None, None, None),
+    cu_seqlens=None,
 ):
     check_batch_first(batch_first)
+    if cu_seqlens is not None:
+        if kv_cache is not None:
+            raise ValueError("cu_seqlens: a packed batch cannot be combined with kv_cache")
+        return _forward_packed(
+            w,
+            query,
+            key,
+            value,
+            attn_mask,
+            key_padding_mask,
+            is_causal,
+            need_weights,
+            num_threads,
+            variants,
+            cu_seqlens,
+        )
     if kv_cache is not None:
         if key is not None or value is not None or attn_mask is not None or key_padding_mask is not None:
             raise ValueError("kv_cache: self-attention only; per-row lengths (num_new) replace masks")
@@ -132,7 +190,7 @@ def _forward(
             layout = "(batch, chunk" if batch_first else "(chunk, batch"
             raise ValueError(f"query: expected {layout}, {w.embed_dim}) or (chunk, {w.embed_dim}), got {q.shape}")
         out = _forward_cached(
-            w, _sequence_first(q, batch_first), kv_cache, num_new, left_padded, need_weights, num_threads
+            w, _sequence_first(q, batch_first), kv_cache, num_new, left_padded, need_weights, num_threads, variants
         )
         return _sequence_first(out, batch_first)
     q = float_array(query, "query")
@@ -186,6 +244,7 @@ def _forward(
         out,
         weights,
         num_threads,
+        *variants,
     )
     out = _sequence_first(out, batch_first)
     if not need_weights:
@@ -224,6 +283,11 @@ def mha(
     left_padded=False,
     batch_first=True,
     num_threads=None,
+    window=None,
+    softcap=None,
+    sinks=None,
+    alibi_slopes=None,
+    cu_seqlens=None,
 ):
     """Multi-head attention (inference) with torch.nn.MultiheadAttention's weights and conventions.
 
@@ -265,6 +329,16 @@ def mha(
         keep their shapes, as in torch.
     num_threads : int, optional
         Threads for this call; default pyattn.get_num_threads().
+    window, softcap : optional
+        As in :func:`scaled_dot_product_attention` (with kv_cache: as in :meth:`KVCache.attend`).
+    sinks, alibi_slopes : ndarray, shape (num_heads,), optional
+        As in :func:`scaled_dot_product_attention`, one per query head.
+    cu_seqlens : array_like of int, shape (num_seqs + 1,), optional
+        A packed batch without padding: query (and key/value, if given) are (total, features), the
+        sequences' tokens back to back, sequence s being rows cu_seqlens[s]:cu_seqlens[s+1] (prefix
+        sums starting at 0 and ending at total); each attends within itself only (is_causal, window
+        and ALiBi per sequence), and no work is spent across sequences. No masks, no need_weights,
+        no kv_cache; the output is (total, embed_dim).
 
     Returns
     -------
@@ -315,7 +389,19 @@ def mha(
         num_new,
         left_padded,
         batch_first,
+        (window, softcap, sinks, alibi_slopes),
+        cu_seqlens,
     )
+
+
+def _head_values(values, name, num_heads, dtype):
+    """A layer's sinks or ALiBi slopes: None, or a fresh (num_heads,) array of the layer's dtype."""
+    if values is None:
+        return None
+    arr = np.array(as_array(values, name), dtype=dtype)
+    if arr.shape != (num_heads,):
+        raise ValueError(f"{name}: expected shape ({num_heads},), got {arr.shape}")
+    return arr
 
 
 class MultiHeadAttention:
@@ -349,7 +435,20 @@ class MultiHeadAttention:
     batch_first : bool
         True (default): inputs and outputs are (batch, len, features); False: (len, batch,
         features), torch.nn.MultiheadAttention's default.
+    window, softcap : optional
+        The layer's sliding window and logit softcap (Mistral, Gemma 2), applied on every call, as in
+        :func:`scaled_dot_product_attention`.
+    sinks : bool or array_like, shape (num_heads,), optional
+        Attention sinks (gpt-oss), a parameter of the layer (``state_dict()["sinks"]``); True: zeros.
+    alibi_slopes : array_like, shape (num_heads,), optional
+        ALiBi slopes (BLOOM, MPT), held as ``state_dict()["alibi_slopes"]``.
     """
+
+    # Variant options of layers made by from_torch / from_linear_weights unless set.
+    window = None
+    softcap = None
+    sinks = None
+    alibi_slopes = None
 
     def __init__(
         self,
@@ -363,6 +462,10 @@ class MultiHeadAttention:
         dtype=np.float32,
         seed=None,
         batch_first=True,
+        window=None,
+        softcap=None,
+        sinks=None,
+        alibi_slopes=None,
     ):
         self.batch_first = check_batch_first(batch_first)
         dtype = np.dtype(dtype)
@@ -400,6 +503,13 @@ class MultiHeadAttention:
             state["in_proj_bias"] = np.zeros(self.embed_dim + 2 * kv_width, dtype)
             state["out_proj.bias"] = np.zeros(self.embed_dim, dtype)
         self.dtype = dtype
+        self.window, self.softcap = window, softcap
+        if sinks is True:
+            state["sinks"] = np.zeros(num_heads, dtype)
+        elif sinks is not None and sinks is not False:
+            state["sinks"] = sinks
+        if alibi_slopes is not None:
+            state["alibi_slopes"] = alibi_slopes
         self.load_state_dict(state)
 
     # -- weights ------------------------------------------------------------------------------
@@ -411,7 +521,8 @@ class MultiHeadAttention:
         state_dict : dict
             ``in_proj_weight`` (or ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight``),
             ``in_proj_bias``, ``out_proj.weight``, ``out_proj.bias``; NumPy arrays or torch
-            tensors of the layer's dtype. Unknown keys (``bias_k``, ``bias_v``) raise ValueError.
+            tensors of the layer's dtype; optionally ``sinks`` and ``alibi_slopes`` (num_heads,).
+            Unknown keys (``bias_k``, ``bias_v``) raise ValueError.
         """
         known = {
             "in_proj_weight",
@@ -421,6 +532,8 @@ class MultiHeadAttention:
             "v_proj_weight",
             "out_proj.weight",
             "out_proj.bias",
+            "sinks",
+            "alibi_slopes",
         }
         unknown = set(state_dict) - known
         if unknown:
@@ -446,7 +559,13 @@ class MultiHeadAttention:
             get("out_proj.weight"),
             get("out_proj.bias"),
         )
+        sinks = _head_values(get("sinks"), "sinks", self.num_heads, self.dtype)
+        slopes = _head_values(get("alibi_slopes"), "alibi_slopes", self.num_heads, self.dtype)
         self._weights = w
+        if sinks is not None:
+            self.sinks = sinks
+        if slopes is not None:
+            self.alibi_slopes = slopes
         self._has_in_proj = get("in_proj_weight") is not None
         self._has_bias = get("in_proj_bias") is not None or get("out_proj.bias") is not None
         w.packed()  # pre-pack for the active ISA now, not on the first call
@@ -474,6 +593,10 @@ class MultiHeadAttention:
         d["out_proj.weight"] = w.o.copy()
         if w.bo is not None:
             d["out_proj.bias"] = w.bo.copy()
+        if self.sinks is not None:
+            d["sinks"] = self.sinks.copy()
+        if self.alibi_slopes is not None:
+            d["alibi_slopes"] = self.alibi_slopes.copy()
         return d
 
     # Read-only views with torch's attribute names (None where torch has None).
@@ -589,13 +712,15 @@ class MultiHeadAttention:
         num_new=None,
         left_padded=False,
         num_threads=None,
+        cu_seqlens=None,
     ):
-        """The layer's forward pass: ``pyattn.mha`` with this layer's weights and batch_first.
+        """The layer's forward pass: ``pyattn.mha`` with this layer's weights, batch_first and variant
+        options (window, softcap, sinks, alibi_slopes).
 
         Parameters
         ----------
         query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, \
-average_attn_weights, kv_cache, num_new, left_padded, num_threads
+average_attn_weights, kv_cache, num_new, left_padded, num_threads, cu_seqlens
             As in :func:`pyattn.mha`.
 
         Returns
@@ -618,12 +743,18 @@ average_attn_weights, kv_cache, num_new, left_padded, num_threads
             num_new,
             left_padded,
             self.batch_first,
+            (self.window, self.softcap, self.sinks, self.alibi_slopes),
+            cu_seqlens,
         )
 
     def __repr__(self):
+        options = [f"window={self.window}"] if self.window is not None else []
+        options += [f"softcap={self.softcap}"] if self.softcap is not None else []
+        options += [f"{name}=..." for name in ("sinks", "alibi_slopes") if getattr(self, name) is not None]
         return (
             f"MultiHeadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, kdim={self.kdim}, vdim={self.vdim}, dtype={self.dtype}"
             + ("" if self.batch_first else ", batch_first=False")
+            + "".join(", " + o for o in options)
             + ")"
         )
