@@ -78,10 +78,8 @@ inline double parse_softcap(py::handle obj) {
   return c;
 }
 
-// sinks / alibi_slopes as float64 values of shape `shape` (broadcast from the argument's, which must
-// broadcast to it), C order; `allow_neg_inf`: -inf is accepted (a sink that is never there).
-inline std::vector<double> per_head_values(py::handle obj, const char* name, const Dims& shape, bool allow_neg_inf) {
-  const std::string n(name);
+// obj (any array-like of real numbers broadcasting to `shape`) as float64 values of that shape.
+inline std::vector<double> broadcast_values(py::handle obj, const std::string& n, const Dims& shape) {
   py::module_ np = py::module_::import("numpy");
   py::array arr = is_ndarray(obj) ? py::reinterpret_borrow<py::array>(obj) : py::array(np.attr("asarray")(obj));
   const char kind = arr.dtype().kind();
@@ -93,7 +91,26 @@ inline std::vector<double> per_head_values(py::handle obj, const char* name, con
   for (size_t i = 0; i < shape.size(); ++i) target[i] = shape[i];
   py::array full = np.attr("ascontiguousarray")(np.attr("broadcast_to")(arr.attr("astype")("float64"), target));
   const double* p = static_cast<const double*>(full.data());
-  std::vector<double> values(p, p + full.size());
+  return std::vector<double>(p, p + full.size());
+}
+
+// sinks / alibi_slopes as float64 values of shape `shape` (broadcast from the argument's, which must
+// broadcast to it), C order; `allow_neg_inf`: -inf is accepted (a sink that is never there).
+inline std::vector<double> per_head_values(py::handle obj, const char* name, const Dims& shape, bool allow_neg_inf) {
+  const std::string n(name);
+  std::vector<double> values;
+  // The common case without NumPy calls (a layer's own parameters, on every call): a contiguous
+  // float32/float64 array of exactly that shape.
+  if (is_ndarray(obj)) {
+    const py::array arr = py::reinterpret_borrow<py::array>(obj);
+    if ((is_float32(arr) || is_float64(arr)) && shape_of(arr) == shape && (arr.flags() & py::array::c_style)) {
+      values.resize(size_t(arr.size()));
+      for (size_t i = 0; i < values.size(); ++i)
+        values[i] = is_float32(arr) ? double(static_cast<const float*>(arr.data())[i])
+                                    : static_cast<const double*>(arr.data())[i];
+    }
+  }
+  if (values.empty()) values = broadcast_values(obj, n, shape);
   for (double x : values)
     if (std::isnan(x) || (std::isinf(x) && !(allow_neg_inf && x < 0)))
       fail(n + (allow_neg_inf ? ": entries must be finite or -inf, got " : ": entries must be finite, got ") +
