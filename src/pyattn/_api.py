@@ -73,7 +73,7 @@ def scaled_dot_product_attention(
         (gpt-oss): out_i = Σ_j e^{s_ij} v_j / (e^{sink_h} + Σ_j e^{s_ij}); finite or -inf (no sink).
         Returned weights then sum to less than 1; a row with no allowed key still returns zeros.
     alibi_slopes : array_like, shape (Hq,) or (..., Hq), optional
-        ALiBi: adds -slope_h · |d(i) - j| to the scaled scores (after softcap), d(i) as for window;
+        ALiBi: adds ``-slope_h · |d(i) - j|`` to the scaled scores (after softcap), d(i) as for window;
         broadcast against the output's batch dimensions. Finite, any sign.
 
     Returns

@@ -137,7 +137,7 @@ def scaled_dot_product_attention(
       (a None side is unbounded); it forbids keys like a mask, together with ``is_causal`` and
       ``attn_mask``.
     - ``softcap=c`` (> 0): each scaled score s becomes c * tanh(s / c).
-    - ``alibi_slopes`` (Hq,) or (..., Hq): -slope_h * |d(i) - j| is added to the scores; leading
+    - ``alibi_slopes`` (Hq,) or (..., Hq): ``-slope_h * |d(i) - j|`` is added to the scores; leading
       dimensions broadcast against the output's batch dimensions.
     - ``sinks`` (Hq,): one extra logit per query head in every softmax denominator, with no value
       row: out_i = sum_j e^(s_ij) v_j / (e^sink_h + sum_j e^(s_ij)), so the weights sum to less than
