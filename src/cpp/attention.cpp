@@ -190,7 +190,9 @@ int64_t TileRun<T>::heads_of(int64_t task) const {
 template <class T>
 void TileRun<T>::plan_prefetch(ItemPrefetch& p, int64_t n, const Tile& current) const {
   const AttnArgs<T>& a = a_;
-  const Tile t = item_tile(n);
+  Tile t = item_tile(n);
+  if (a.windowed)  // the keys before the window of the item's first row are never read
+    t.j_begin = std::max(t.j_begin, std::min(t.j_end, t.i0 + a.window_offset_of(t.bh)));
   const bool same_kv = a.k_offset[t.bh] == a.k_offset[current.bh] && a.v_offset[t.bh] == a.v_offset[current.bh] &&
                        t.j_begin == current.j_begin && t.j_end <= current.j_end;
   const int64_t item = a.kv_item_bytes(), keys = same_kv ? 0 : t.j_end - t.j_begin;
