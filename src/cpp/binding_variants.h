@@ -85,8 +85,15 @@ inline std::vector<double> broadcast_values(py::handle obj, const std::string& n
   const char kind = arr.dtype().kind();
   if (!(kind == 'f' || kind == 'i' || kind == 'u' || float_kind(arr.dtype()) == FloatKind::bf16))
     type_fail(n + ": expected real numbers (a float or int array), got dtype " + str_of(arr.dtype()));
-  if (!broadcasts_to(shape_of(arr), shape))
-    fail(n + ": shape " + str_of(arr.attr("shape")) + " does not broadcast to " + tuple_repr(shape));
+  // One value per head, always: the last axis is the heads' (a scalar or one value for all is refused,
+  // as a likely mistake); leading axes broadcast, and only sinks have none.
+  const bool heads_last = arr.ndim() >= 1 && arr.shape(arr.ndim() - 1) == shape[shape.size() - 1];
+  if (!heads_last || (shape.size() == 1 && arr.ndim() != 1) || !broadcasts_to(shape_of(arr), shape))
+    fail(n + ": expected shape " +
+         (shape.size() == 1
+              ? tuple_repr(shape)
+              : "(..., " + std::to_string(shape[shape.size() - 1]) + ") broadcasting to " + tuple_repr(shape)) +
+         ", got " + str_of(arr.attr("shape")));
   py::tuple target(shape.size());
   for (size_t i = 0; i < shape.size(); ++i) target[i] = shape[i];
   py::array full = np.attr("ascontiguousarray")(np.attr("broadcast_to")(arr.attr("astype")("float64"), target));
@@ -128,8 +135,6 @@ inline Variants parse_variants(py::handle window, py::handle softcap, py::handle
   for (size_t i = 0; i < batch.size(); ++i) batch_count = checked_mul(batch_count, batch[i]);
   if (!sinks.is_none()) {
     const std::vector<double> per_head = per_head_values(sinks, "sinks", Dims{num_heads}, true);
-    if (is_ndarray(sinks) && py::reinterpret_borrow<py::array>(sinks).ndim() != 1)
-      fail("sinks: expected shape (" + std::to_string(num_heads) + ",), got " + str_of(sinks.attr("shape")));
     for (int64_t b = 0; b < batch_count; ++b) v.sinks.insert(v.sinks.end(), per_head.begin(), per_head.end());
   }
   if (!alibi_slopes.is_none()) {

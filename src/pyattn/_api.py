@@ -74,7 +74,7 @@ def scaled_dot_product_attention(
         Returned weights then sum to less than 1; a row with no allowed key still returns zeros.
     alibi_slopes : array_like, shape (Hq,) or (..., Hq), optional
         ALiBi: adds ``-slope_h · |d(i) - j|`` to the scaled scores (after softcap), d(i) as for window;
-        broadcast against the output's batch dimensions. Finite, any sign.
+        leading axes broadcast against the output's batch dimensions (never adding any). Finite, any sign.
 
     Returns
     -------
