@@ -17,11 +17,10 @@
 // by AVX-512's vscalefps/pd, or on AVX2 by a multiply with 2^n built in the exponent bits (adding
 // 1.5*2^23 + 127 rounds x to an integer in the low mantissa bits, already biased, so a left shift by
 // the mantissa width is 2^n). Domain: the kernels only call it with x <= 0 (score minus running max)
-// or NaN; x < -126 (float) / -1022 (double) return exactly 0 (weights below 2^-126 of the row
-// maximum), NaN returns NaN. Those zeros are selected last, from x itself, so the range reduction
-// takes x unclamped: for x = -inf or far below the range its n, f and p may be anything (NaN from
-// -inf - -inf) and are discarded: no clamp of x, which would cost a vector operation per exp2 on the
-// FMA ports.
+// or NaN; x < -126 (float) / -1022 (double) return exactly 0 (weights below 2^-126 of
+// the row maximum), NaN returns NaN. Those zeros are selected last, from x itself, so the range reduction takes x
+// unclamped: for x = -inf or far below the range its n, f and p may be anything (NaN from -inf - -inf) and are
+// discarded: no clamp of x, which would cost a vector operation per exp2 on the FMA ports.
 #pragma once
 
 #include <cmath>
@@ -153,11 +152,13 @@ struct Simd<float> {
   static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
   static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
   static reg div(reg a, reg b) { return _mm512_div_ps(a, b); }
+  static reg min(reg a, reg b) { return _mm512_min_ps(a, b); }  // b when either is NaN (max too)
   static reg abs(reg x) { return _mm512_abs_ps(x); }
-  static reg copysign(reg mag, reg sgn) {  // |mag| with sgn's sign bit
-    const __m512i bit = _mm512_set1_epi32(int(0x80000000u));
-    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_andnot_si512(bit, _mm512_castps_si512(mag)),
-                                               _mm512_and_si512(bit, _mm512_castps_si512(sgn))));
+  static reg sign_bits(reg x) {  // x's sign bit, the rest 0
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(int(0x80000000u))));
+  }
+  static reg xor_sign(reg x, reg sign) {
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_castps_si512(sign)));
   }
   // c + a*b in the lanes where a != 0 (NaN counts as nonzero), c elsewhere.
   static reg fma_nonzero(reg a, reg b, reg c) {
@@ -315,11 +316,14 @@ struct Simd<double> {
   static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_pd(a, b, c); }
   static reg max(reg a, reg b) { return _mm512_max_pd(a, b); }
   static reg div(reg a, reg b) { return _mm512_div_pd(a, b); }
+  static reg min(reg a, reg b) { return _mm512_min_pd(a, b); }
   static reg abs(reg x) { return _mm512_abs_pd(x); }
-  static reg copysign(reg mag, reg sgn) {
-    const __m512i bit = _mm512_set1_epi64(int64_t(0x8000000000000000ull));
-    return _mm512_castsi512_pd(_mm512_or_si512(_mm512_andnot_si512(bit, _mm512_castpd_si512(mag)),
-                                               _mm512_and_si512(bit, _mm512_castpd_si512(sgn))));
+  static reg sign_bits(reg x) {
+    return _mm512_castsi512_pd(
+        _mm512_and_si512(_mm512_castpd_si512(x), _mm512_set1_epi64(int64_t(0x8000000000000000ull))));
+  }
+  static reg xor_sign(reg x, reg sign) {
+    return _mm512_castsi512_pd(_mm512_xor_si512(_mm512_castpd_si512(x), _mm512_castpd_si512(sign)));
   }
   static reg fma_nonzero(reg a, reg b, reg c) {
     return _mm512_mask3_fmadd_pd(a, b, c, _mm512_cmp_pd_mask(a, zero(), _CMP_NEQ_UQ));
@@ -431,10 +435,10 @@ struct Simd<float> {
   static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
   static reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
   static reg div(reg a, reg b) { return _mm256_div_ps(a, b); }
+  static reg min(reg a, reg b) { return _mm256_min_ps(a, b); }  // b when either is NaN (max too)
   static reg abs(reg x) { return _mm256_andnot_ps(set1(-0.0f), x); }
-  static reg copysign(reg mag, reg sgn) {
-    return _mm256_or_ps(_mm256_andnot_ps(set1(-0.0f), mag), _mm256_and_ps(set1(-0.0f), sgn));
-  }
+  static reg sign_bits(reg x) { return _mm256_and_ps(set1(-0.0f), x); }
+  static reg xor_sign(reg x, reg sign) { return _mm256_xor_ps(x, sign); }
   static reg fma_nonzero(reg a, reg b, reg c) {
     return _mm256_blendv_ps(c, fma(a, b, c), _mm256_cmp_ps(a, zero(), _CMP_NEQ_UQ));
   }
@@ -568,10 +572,10 @@ struct Simd<double> {
   static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_pd(a, b, c); }
   static reg max(reg a, reg b) { return _mm256_max_pd(a, b); }
   static reg div(reg a, reg b) { return _mm256_div_pd(a, b); }
+  static reg min(reg a, reg b) { return _mm256_min_pd(a, b); }
   static reg abs(reg x) { return _mm256_andnot_pd(set1(-0.0), x); }
-  static reg copysign(reg mag, reg sgn) {
-    return _mm256_or_pd(_mm256_andnot_pd(set1(-0.0), mag), _mm256_and_pd(set1(-0.0), sgn));
-  }
+  static reg sign_bits(reg x) { return _mm256_and_pd(set1(-0.0), x); }
+  static reg xor_sign(reg x, reg sign) { return _mm256_xor_pd(x, sign); }
   static reg fma_nonzero(reg a, reg b, reg c) {
     return _mm256_blendv_pd(c, fma(a, b, c), _mm256_cmp_pd(a, zero(), _CMP_NEQ_UQ));
   }
@@ -659,8 +663,10 @@ struct Simd {
   static reg fma(reg a, reg b, reg c) { return a * b + c; }  // not contracted: -ffp-contract=off
   static reg max(reg a, reg b) { return a > b ? a : b; }
   static reg div(reg a, reg b) { return a / b; }
+  static reg min(reg a, reg b) { return a < b ? a : b; }  // b when either is NaN, as x86's (max too)
   static reg abs(reg x) { return std::fabs(x); }
-  static reg copysign(reg mag, reg sgn) { return std::copysign(mag, sgn); }
+  static reg sign_bits(reg x) { return std::signbit(x) ? T(-0.0) : T(0); }
+  static reg xor_sign(reg x, reg sign) { return std::signbit(sign) ? -x : x; }
   static reg fma_nonzero(reg a, reg b, reg c) { return a != T(0) ? a * b + c : c; }
   static reg neg_inf_to_zero(reg x) { return x == -std::numeric_limits<T>::infinity() ? T(0) : x; }
   static uint32_t allowed_lanes(reg x) { return x != -std::numeric_limits<T>::infinity(); }
