@@ -193,6 +193,10 @@ MISTAKES = (
     "out_type",
     "out_overlap",
     "masked",
+    "window_value",
+    "softcap_value",
+    "sinks_shape",
+    "alibi_value",
 )
 
 
@@ -379,6 +383,44 @@ def cases(draw):
     if causal is not False or draw(st.booleans()):
         kwargs["is_causal"] = causal
     tags.append(f"causal:{causal}")
+
+    # The variants (window, softcap, sinks, ALiBi): valid values unless the mistake is theirs.
+    hq = q_shape[-3] if len(q_shape) >= 3 else 1
+    variant = draw(st.sampled_from(["none", "none", "none", "window", "softcap", "sinks", "alibi", "all"]))
+    if mistake in ("window_value", "softcap_value", "sinks_shape", "alibi_value"):
+        variant = mistake
+    side = st.sampled_from([None, 0, 1, 3, 40, 2**50])
+    if variant in ("window", "all"):
+        kwargs["window"] = (draw(side), draw(side))
+    if variant in ("softcap", "all"):
+        kwargs["softcap"] = draw(st.sampled_from([0.3, 5.0, 50.0, 1e6]))
+    if variant in ("sinks", "all"):
+        kwargs["sinks"] = rng.standard_normal(hq) * draw(st.sampled_from([1.0, 10.0]))
+        if draw(st.integers(0, 3)) == 0:
+            kwargs["sinks"][0] = -np.inf
+    if variant in ("alibi", "all"):
+        kwargs["alibi_slopes"] = rng.uniform(-0.3, 0.6, hq).astype(draw(st.sampled_from([np.float32, np.float64])))
+    if variant == "window_value":
+        kwargs["window"], exc = draw(
+            st.sampled_from(
+                [((-1, 0), ValueError), ((0, -3), ValueError), ((1.5, 0), TypeError), ((1, 2, 3), TypeError)]
+                + [("3", TypeError), ((True, 0), TypeError)]
+            )
+        )
+        fail(exc, "window")
+    elif variant == "softcap_value":
+        kwargs["softcap"], exc = draw(
+            st.sampled_from([(0.0, ValueError), (-1.0, ValueError), (math.nan, ValueError), (math.inf, ValueError)])
+            | st.sampled_from([("5", TypeError), (True, TypeError)])
+        )
+        fail(exc, "softcap")
+    elif variant == "sinks_shape":
+        kwargs["sinks"] = draw(st.sampled_from([np.zeros(hq + 1), np.zeros((1, hq)), np.full(hq, np.nan), 0.5]))
+        fail(ValueError, "sinks")
+    elif variant == "alibi_value":
+        kwargs["alibi_slopes"] = draw(st.sampled_from([np.zeros(hq + 1), np.full(hq, np.inf), np.zeros(0)]))
+        fail(ValueError, "alibi_slopes")
+    tags.append(f"variant:{variant}")
 
     scale = draw(st.one_of(st.none(), st.floats(-3, 3, allow_nan=False), st.sampled_from([0.0, -0.0, np.float32(0.5)])))
     if mistake == "scale_nonfinite":
