@@ -44,8 +44,30 @@ def sdpa(
     return_weights: Any,
     out: Any,
     num_threads: Any,
+    window: Any = None,
+    softcap: Any = None,
+    sinks: Any = None,
+    alibi_slopes: Any = None,
 ) -> Any:
     """pyattn.scaled_dot_product_attention on NumPy arrays (the whole contract: see its docstring)."""
+
+def varlen(
+    query: Any,
+    key: Any,
+    value: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    is_causal: Any,
+    scale: Any,
+    enable_gqa: Any,
+    out: Any,
+    num_threads: Any,
+    window: Any,
+    softcap: Any,
+    sinks: Any,
+    alibi_slopes: Any,
+) -> np.ndarray:
+    """pyattn.varlen_attention on NumPy arrays (the whole contract: see its docstring)."""
 
 def sdpa_cache(
     query: np.ndarray,
@@ -57,6 +79,10 @@ def sdpa_cache(
     causal_offsets: npt.NDArray[np.int64],
     scale: Any,
     num_threads: Any,
+    window: Any = None,
+    softcap: Any = None,
+    sinks: Any = None,
+    alibi_slopes: Any = None,
 ) -> np.ndarray:
     """KVCache.attend: queries (batch, num_heads, chunk, head_dim) over the cache's storage (batch,
     num_kv_heads, max_len, dim), 16-bit storage as uint16 views (storage 1 = float16, 2 = bfloat16);
@@ -90,6 +116,11 @@ def mha(
     out: np.ndarray,
     attn_weights: np.ndarray | None,
     num_threads: Any,
+    window: Any = None,
+    softcap: Any = None,
+    sinks: Any = None,
+    alibi_slopes: Any = None,
+    cu_seqlens: Any = None,
 ) -> None:
     """Low-level multi-head attention entry; arguments prepared by pyattn._mha.
 
@@ -109,6 +140,10 @@ def mha_cached(
     left_padded: bool,
     out: np.ndarray,
     num_threads: Any,
+    window: Any = None,
+    softcap: Any = None,
+    sinks: Any = None,
+    alibi_slopes: Any = None,
 ) -> None:
     """Low-level layer step over a KV cache; arguments prepared by pyattn._mha and pyattn.KVCache.
 
