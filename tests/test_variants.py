@@ -254,6 +254,17 @@ def test_masks_with_window_and_softcap(isa, name, rng, shape, kind, q_len, kv_le
     check(q, k, v, mask, is_causal="lower_right", **variant_options(ALL_OPTIONS, 4))
 
 
+@pytest.mark.parametrize("kv_heads", [1, 4])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_decode_window_over_a_long_cache(isa, rng, kv_heads, q_len):
+    # A long key range split into chunks for the threads, of which only the window's are read (the
+    # split starts at the earliest window): the sinks must still count once, in the first chunk.
+    q, k, v = inputs(rng, "float32", q_len, 20000, q_heads=4, kv_heads=kv_heads, batch=(1,), guard=False)
+    options = {"window": (1500, 0), "sinks": sinks_for(4), "softcap": 3.0}
+    check(q, k, v, is_causal="lower_right", enable_gqa=True, **options)
+    check(q, k, v, is_causal="lower_right", enable_gqa=True, num_threads=1, **options)
+
+
 # --- softcap ---------------------------------------------------------------------------------------
 
 

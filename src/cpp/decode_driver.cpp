@@ -75,12 +75,11 @@ void attend_decode_heads(const AttnArgs<T>& a, const KernelSet<T>& ks, int num_t
 // The split of attend_decode's tasks: split_keys, or for interleaved heads chunks of at least
 // kInterleavedChunk keys (at most kMaxInterleavedChunks per task), whole decode blocks either way.
 template <class T>
-Split decode_split(const AttnArgs<T>& a, const KernelSet<T>& ks, int64_t tasks, bool interleaved) {
-  if (!interleaved || a.kv_len <= kInterleavedChunk)
-    return split_keys(tasks, a.kv_len, ks.decode_block, kDecodeMinChunk);
-  const int64_t chunk = std::max(kInterleavedChunk, ceil_div(a.kv_len, kMaxInterleavedChunks));
+Split decode_split(const KernelSet<T>& ks, int64_t tasks, bool interleaved, int64_t keys) {
+  if (!interleaved || keys <= kInterleavedChunk) return split_keys(tasks, keys, ks.decode_block, kDecodeMinChunk);
+  const int64_t chunk = std::max(kInterleavedChunk, ceil_div(keys, kMaxInterleavedChunks));
   const int64_t rounded = ceil_div(chunk, ks.decode_block) * ks.decode_block;
-  return Split{ceil_div(a.kv_len, rounded), rounded};
+  return Split{ceil_div(keys, rounded), rounded};
 }
 
 // The facts plan_decode goes by.
@@ -110,7 +109,17 @@ void attend_decode(const AttnArgs<T>& a, const KernelSet<T>& ks, const Tuning& t
   // softcap, ALiBi, sinks) take the head-by-head one.
   if (interleaved && row_chunks == 1 && whole_vectors && plan.across_heads && !a.has_variants())
     return attend_decode_heads(a, ks, num_threads);
-  const Split split = decode_split(a, ks, tasks, interleaved);
+  // With a window the keys before every row's window are never read: the split covers the rest only
+  // (from a whole block), so that no thread is left with chunks of nothing while another reads the
+  // window.
+  int64_t keys_from = 0;
+  if (a.windowed) {
+    keys_from = a.kv_len;
+    for (int64_t bh = 0; bh < a.batch_heads; bh += a.num_heads)
+      keys_from = std::min(keys_from, std::max<int64_t>(0, a.window_offset_of(bh)));
+    keys_from = keys_from / ks.decode_block * ks.decode_block;
+  }
+  const Split split = decode_split(ks, tasks, interleaved, a.kv_len - keys_from);
   const int64_t items = tasks * split.count;
   const int threads = threads_for(a.fmas(), num_threads, items);
 
@@ -141,8 +150,9 @@ void attend_decode(const AttnArgs<T>& a, const KernelSet<T>& ks, const Tuning& t
     T* mine = scratch.slice(thread_id());
     DecodeTile t = tile_of(n / split.count);
     if (split.count > 1) {
-      t.j_begin = n % split.count * split.chunk;
+      t.j_begin = keys_from + n % split.count * split.chunk;
       t.j_end = std::min(a.kv_len, t.j_begin + split.chunk);
+      t.first = n % split.count == 0;
       ks.decode(a, plan, t, group, mine, carve(partials->data() + sstate * size_t(n)));
       return;
     }

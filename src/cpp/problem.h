@@ -195,6 +195,7 @@ struct DecodeTile {
   int64_t rows;
   int64_t j_begin;
   int64_t j_end;
+  bool first = true;  // the first of its rows' key chunks: the rows start from their sinks here
 };
 
 // The running state of the online softmax for one block of query rows, in log2 units (scores are
