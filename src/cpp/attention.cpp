@@ -273,6 +273,9 @@ void TileRun<T>::run_item(int64_t n, int64_t next) {
   }
   for (int64_t h = 0; h < heads; ++h)
     ks_.finalize(s[h].state, bm, t.rows, a_.value_dim, a_.out_rows(t.bh + h) + t.i0 * a_.out_stride_l, a_.out_stride_l);
+  if (a_.lse)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < t.rows; ++i) a_.lse_rows(t.bh + h)[t.i0 + i] = row_lse(s[h].state.m[i], s[h].state.l[i]);
   if (a_.weights) ks_.write_weights(a_, t, bm, s[0]);
 }
 
@@ -288,8 +291,10 @@ void TileRun<T>::merge(int64_t task) {
     };
     T* out = a_.out_rows(t.bh + h) + t.i0 * a_.out_stride_l;
     const int64_t stride = a_.out_stride_l;
-    merge_partials<T>(l_.split.count, state_of, AccLayout{1, bm}, t.rows, a_.value_dim,
-                      [out, stride](int64_t i) { return out + i * stride; });
+    T* lse = a_.lse ? a_.lse_rows(t.bh + h) + t.i0 : nullptr;
+    merge_partials<T>(
+        l_.split.count, state_of, AccLayout{1, bm}, t.rows, a_.value_dim,
+        [out, stride](int64_t i) { return out + i * stride; }, [lse](int64_t i) { return lse ? lse + i : nullptr; });
   }
 }
 

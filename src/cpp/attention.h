@@ -24,6 +24,10 @@ void multi_head_attention(const MhaArgs<T>& m, int num_threads);
 template <class T>
 void multi_head_attention_cached(const MhaCacheArgs<T>& m, int num_threads);
 
+// Partial attention results merged by their log-sum-exp (MergeArgs, problem.h; merge_states.cpp).
+template <class T>
+void merge_attention_states(const MergeArgs<T>& m, int num_threads);
+
 // W (n, k) packed into the panels of ks's GEMM (GemmArgs::packed), and C = A.W^T + bias.
 template <class T>
 void pack_weights(const KernelSet<T>& ks, const T* w, int64_t w_stride, int64_t n, int64_t k, T* packed);

@@ -20,6 +20,7 @@ namespace pyattn {
 void bind_runtime(py::module_& m);  // bindings_runtime.cpp
 void bind_sdpa(py::module_& m);     // bindings_sdpa.cpp
 void bind_mha(py::module_& m);      // bindings_mha.cpp
+void bind_merge(py::module_& m);    // bindings_merge.cpp
 
 }  // namespace pyattn
 
@@ -29,6 +30,7 @@ PYBIND11_MODULE(_core, m) {
   bind_runtime(m);
   bind_sdpa(m);
   bind_mha(m);
+  bind_merge(m);
   m.def(
       "empty_on_line",
       [](const py::dtype& dtype, const std::vector<py::ssize_t>& shape, const std::string& name, int64_t start,

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -190,6 +191,7 @@ struct Call {
   int64_t mask_stride_l = 0, mask_stride_s = 0;
   py::array out = no_array();  // compute dtype, C-contiguous, element-aligned
   py::object weights = py::none();
+  py::object lse = py::none();   // return_lse: (batch_heads, q_len) in the compute dtype
   std::vector<int64_t> offsets;  // q, k, v, mask offsets per (batch, head): 4 * batch_heads
   int64_t batch_heads = 0, num_heads = 0, group = 1, q_len = 0, kv_len = 0, head_dim = 0, value_dim = 0;
   int64_t q_stride_l = 0, k_stride_s = 0, v_stride_s = 0;
@@ -257,6 +259,10 @@ void launch(const Call& c) {
   a.out_stride_h = checked_mul(c.q_len, c.value_dim);
   a.out_stride_b = checked_mul(a.num_heads, a.out_stride_h);
   if (!c.weights.is_none()) a.weights = static_cast<T*>(py::reinterpret_borrow<py::array>(c.weights).mutable_data());
+  if (!c.lse.is_none()) {
+    a.lse = static_cast<T*>(py::reinterpret_borrow<py::array>(c.lse).mutable_data());
+    a.lse_stride_bh = c.q_len;
+  }
   if (bh == 0) return;
   py::gil_scoped_release release;
   scaled_dot_product_attention<T>(a, c.threads);
@@ -318,7 +324,7 @@ void describe_mask(Call& c, py::array mask, FloatKind kind, const Dims& batch) {
 py::object sdpa(py::handle query, py::handle key, py::handle value, py::handle attn_mask, py::handle is_causal,
                 py::handle scale, py::handle enable_gqa, py::handle return_weights, py::handle out_obj,
                 py::handle num_threads, py::handle window, py::handle softcap, py::handle sinks,
-                py::handle alibi_slopes) {
+                py::handle alibi_slopes, py::handle return_lse) {
   const py::array q_in = float_input(query, "query"), k_in = float_input(key, "key"),
                   v_in = float_input(value, "value");
   const py::dtype dtype = q_in.dtype();
@@ -327,6 +333,7 @@ py::object sdpa(py::handle query, py::handle key, py::handle value, py::handle a
     type_fail("query, key and value must have the same dtype, got " + str_of(dtype) + ", " + str_of(k_in.dtype()) +
               " and " + str_of(v_in.dtype()));
   Call c;
+  const bool want_lse = truthy(return_lse);
   c.threads = parse_threads(num_threads);
   const bool want_weights = truthy(return_weights);
 
@@ -388,6 +395,11 @@ py::object sdpa(py::handle query, py::handle key, py::handle value, py::handle a
       reinterpret_cast<uintptr_t>(py::reinterpret_borrow<py::array>(out_obj).data()) % dtype.itemsize() == 0;
   c.out = in_place ? py::reinterpret_borrow<py::array>(out_obj) : array_on_line(compute, out_shape, "out");
   if (want_weights) c.weights = array_on_line(compute, w_shape, "return_weights");
+  if (want_lse) {
+    Dims lse_shape = out_shape;
+    lse_shape.n -= 1;
+    c.lse = array_on_line(compute, lse_shape, "return_lse");
+  }
   const bool nothing_to_do =
       c.out.size() == 0 && (!want_weights || py::reinterpret_borrow<py::array>(c.weights).size() == 0);
 
@@ -425,7 +437,9 @@ py::object sdpa(py::handle query, py::handle key, py::handle value, py::handle a
     out_obj.attr("__setitem__")(py::ellipsis(), c.out);
     result = py::reinterpret_borrow<py::object>(out_obj);
   }
+  if (want_weights && want_lse) return py::make_tuple(result, weights, c.lse);
   if (want_weights) return py::make_tuple(result, weights);
+  if (want_lse) return py::make_tuple(result, c.lse);
   return result;
 }
 
@@ -436,7 +450,7 @@ py::object sdpa(py::handle query, py::handle key, py::handle value, py::handle a
 py::object sdpa_cache(py::handle query, const py::array& k_store, const py::array& v_store, int storage, int64_t kv_len,
                       const py::array& lengths, const py::array& causal_offsets, py::handle scale,
                       py::handle num_threads, py::handle window, py::handle softcap, py::handle sinks,
-                      py::handle alibi_slopes) {
+                      py::handle alibi_slopes, py::handle return_lse) {
   if (storage < 0 || storage > 2) fail("storage must be 0 (same), 1 (float16) or 2 (bfloat16)");
   const py::array q_in = float_input(query, "query");
   const FloatKind kind = float_kind(q_in.dtype());
@@ -482,7 +496,10 @@ py::object sdpa_cache(py::handle query, const py::array& k_store, const py::arra
   c.v = v_store;
   describe_operands(c, layout_of(c.q, true), layout_of(c.k, true), layout_of(c.v, true), Dims{batch}, num_kv_heads);
   c.out = array_on_line(q_in.dtype(), Dims{batch, c.num_heads, c.q_len, c.value_dim}, "out");
+  const bool want_lse = truthy(return_lse);
+  if (want_lse) c.lse = array_on_line(q_in.dtype(), Dims{batch, c.num_heads, c.q_len}, "return_lse");
   launch(c, kind == FloatKind::f64);
+  if (want_lse) return py::make_tuple(c.out, c.lse);
   return c.out;
 }
 
@@ -492,6 +509,7 @@ py::object sdpa_cache(py::handle query, const py::array& k_store, const py::arra
 // work across sequences), writing its rows of the packed output in place.
 struct Packed {
   py::array q = no_array(), k = no_array(), v = no_array(), out = no_array();
+  py::object lse = py::none();  // return_lse: (Hq, total_q) in the compute dtype
   Storage kv_storage = Storage::same;
   std::vector<int64_t> cu_q, cu_k;
   int64_t num_heads = 0, group = 1, head_dim = 0, value_dim = 0;
@@ -526,6 +544,8 @@ void launch_varlen(const Packed& c) {
   a.out_stride_l = hq * c.value_dim;
   a.scale = c.scale;
   T* out = static_cast<T*>(const_cast<void*>(c.out.data()));
+  T* lse = c.lse.is_none() ? nullptr : static_cast<T*>(py::reinterpret_borrow<py::array>(c.lse).mutable_data());
+  a.lse_stride_bh = c.cu_q.back();  // (Hq, total_q): FlashAttention's varlen layout
   const VariantOptions variants = c.variants.options();
   py::gil_scoped_release release;
   for (int64_t b = 0; b < batch; ++b) {
@@ -538,6 +558,7 @@ void launch_varlen(const Packed& c) {
       offsets[size_t(2 * hq + h)] = c.cu_k[size_t(b)] * v.strides[0] + h / c.group * v.strides[1];
     }
     a.out = out + c.cu_q[size_t(b)] * a.out_stride_l;
+    a.lse = lse ? lse + c.cu_q[size_t(b)] : nullptr;
     variants.apply(a, c.causal, c.lower_right ? a.kv_len - a.q_len : 0);
     scaled_dot_product_attention<T>(a, c.threads);
   }
@@ -546,7 +567,7 @@ void launch_varlen(const Packed& c) {
 py::object varlen(py::handle query, py::handle key, py::handle value, py::handle cu_seqlens_q, py::handle cu_seqlens_k,
                   py::handle is_causal, py::handle scale, py::handle enable_gqa, py::handle out_obj,
                   py::handle num_threads, py::handle window, py::handle softcap, py::handle sinks,
-                  py::handle alibi_slopes) {
+                  py::handle alibi_slopes, py::handle return_lse) {
   const py::array q_in = float_input(query, "query"), k_in = float_input(key, "key"),
                   v_in = float_input(value, "value");
   const py::dtype dtype = q_in.dtype();
@@ -597,6 +618,11 @@ py::object varlen(py::handle query, py::handle key, py::handle value, py::handle
   // Zeros: rows of a sequence without keys are never written by the driver's loop.
   c.out = in_place ? py::reinterpret_borrow<py::array>(out_obj) : array_on_line(compute, out_shape, "out", 0, true);
   if (in_place) c.out.attr("fill")(0);
+  const bool want_lse = truthy(return_lse);
+  if (want_lse) {  // -inf: the rows of a sequence without keys, which the driver's loop never writes
+    c.lse = array_on_line(compute, Dims{c.num_heads, q_in.shape(0)}, "return_lse");
+    c.lse.attr("fill")(-std::numeric_limits<double>::infinity());
+  }
   if (c.out.size() > 0) {
     c.q = half ? widen(q_in, kind, c.threads, "query") : kernel_layout(q_in, true, "query");
     if (half) {
@@ -616,13 +642,14 @@ py::object varlen(py::handle query, py::handle key, py::handle value, py::handle
     py::array narrow =
         out_obj.is_none() ? array_on_line(dtype, out_shape, "out") : py::reinterpret_borrow<py::array>(out_obj);
     narrow_into(c.out, narrow, kind, c.threads);
-    return narrow;
+    return want_lse ? py::object(py::make_tuple(narrow, c.lse)) : py::object(narrow);
   }
+  py::object result = c.out;
   if (!out_obj.is_none() && !in_place) {
     out_obj.attr("__setitem__")(py::ellipsis(), c.out);
-    return py::reinterpret_borrow<py::object>(out_obj);
+    result = py::reinterpret_borrow<py::object>(out_obj);
   }
-  return c.out;
+  return want_lse ? py::object(py::make_tuple(result, c.lse)) : result;
 }
 
 }  // namespace
@@ -631,16 +658,17 @@ void bind_sdpa(py::module_& m) {
   m.def("sdpa", &sdpa, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("attn_mask"), py::arg("is_causal"),
         py::arg("scale"), py::arg("enable_gqa"), py::arg("return_weights"), py::arg("out"), py::arg("num_threads"),
         py::arg("window") = py::none(), py::arg("softcap") = py::none(), py::arg("sinks") = py::none(),
-        py::arg("alibi_slopes") = py::none(),
+        py::arg("alibi_slopes") = py::none(), py::arg("return_lse") = false,
         "pyattn.scaled_dot_product_attention on NumPy arrays: the whole contract (see its docstring).");
   m.def("sdpa_cache", &sdpa_cache, py::arg("query"), py::arg("k_storage"), py::arg("v_storage"), py::arg("storage"),
         py::arg("kv_len"), py::arg("lengths"), py::arg("causal_offsets"), py::arg("scale"), py::arg("num_threads"),
         py::arg("window") = py::none(), py::arg("softcap") = py::none(), py::arg("sinks") = py::none(),
-        py::arg("alibi_slopes") = py::none(),
+        py::arg("alibi_slopes") = py::none(), py::arg("return_lse") = false,
         "KVCache.attend's attention over the cache's storage (arguments prepared by pyattn.KVCache).");
   m.def("varlen", &varlen, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("cu_seqlens_q"),
         py::arg("cu_seqlens_k"), py::arg("is_causal"), py::arg("scale"), py::arg("enable_gqa"), py::arg("out"),
         py::arg("num_threads"), py::arg("window"), py::arg("softcap"), py::arg("sinks"), py::arg("alibi_slopes"),
+        py::arg("return_lse") = false,
         "pyattn.varlen_attention on NumPy arrays: the whole contract (see its docstring).");
 }
 

@@ -106,8 +106,8 @@ void attend_decode(const AttnArgs<T>& a, const KernelSet<T>& ks, const Tuning& t
   const bool interleaved = a.kv_heads_interleave();
   const bool whole_vectors = ks.decode_padded(a.head_dim) == a.head_dim && ks.decode_padded(a.value_dim) == a.value_dim;
   // The across-heads kernel knows masks and the causal limit only: calls with variants (window,
-  // softcap, ALiBi, sinks) take the head-by-head one.
-  if (interleaved && row_chunks == 1 && whole_vectors && plan.across_heads && !a.has_variants())
+  // softcap, ALiBi, sinks) or return_lse take the head-by-head one.
+  if (interleaved && row_chunks == 1 && whole_vectors && plan.across_heads && !a.has_variants() && !a.lse)
     return attend_decode_heads(a, ks, num_threads);
   // With a window the keys before every row's window are never read: the split covers the rest only
   // (from a whole block), so that no thread is left with chunks of nothing while another reads the
@@ -142,6 +142,13 @@ void attend_decode(const AttnArgs<T>& a, const KernelSet<T>& ks, const Tuning& t
       return a.out_rows(bh) + ((t.r0 + r) % a.q_len) * a.out_stride_l;
     };
   };
+  auto lse_row_of = [&](const DecodeTile& t) {
+    return [&a, t, group](int64_t r) -> T* {
+      if (!a.lse) return nullptr;
+      const int64_t bh = t.batch * a.num_heads + t.kv_head * group + (t.r0 + r) / a.q_len;
+      return a.lse_rows(bh) + (t.r0 + r) % a.q_len;
+    };
+  };
 
   parallel_for(items, threads, [&](int64_t claimed) {
     // Item n is chunk n % split.count of task n / split.count; interleaved heads claim them chunk
@@ -159,13 +166,15 @@ void attend_decode(const AttnArgs<T>& a, const KernelSet<T>& ks, const Tuning& t
     const RowState<T> st = carve(mine + scratch_elems);
     ks.decode(a, plan, t, group, mine, st);
     finalize(st, lay, t.rows, a.value_dim, out_row_of(t));
+    if (a.lse)
+      for (int64_t r = 0; r < t.rows; ++r) *lse_row_of(t)(r) = row_lse(st.m[r], st.l[r]);
   });
   if (split.count > 1) {
     parallel_for(tasks, threads, [&](int64_t task) {
       const DecodeTile t = tile_of(task);
       merge_partials<T>(
           split.count, [&](int64_t c) { return carve(partials->data() + sstate * size_t(task * split.count + c)); },
-          lay, t.rows, a.value_dim, out_row_of(t));
+          lay, t.rows, a.value_dim, out_row_of(t), lse_row_of(t));
     });
   }
 }

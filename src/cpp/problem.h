@@ -113,6 +113,11 @@ struct AttnArgs {
   const double* alibi_slopes = nullptr;  // [batch_heads]
   const double* sinks = nullptr;         // [batch_heads]
 
+  // return_lse: row i of head bh gets the natural log of its softmax denominator (the sink's term
+  // included), lse[bh * lse_stride_bh + i]; -inf for a row without an allowed key. Null: not asked.
+  T* lse = nullptr;
+  int64_t lse_stride_bh = 0;
+
   // KV-cache calls: per batch entry b = bh / num_heads, the filled key length and the causal offset
   // (nullptr: kv_len and causal_offset for everyone), and the storage of K and V (k and v then point
   // at uint16 data when it is not `same`).
@@ -128,6 +133,7 @@ struct AttnArgs {
   // Whether scores are transformed (softcap, ALiBi) or rows carry a sink.
   bool mods_scores() const { return softcap > 0 || alibi_slopes != nullptr; }
   bool has_variants() const { return mods_scores() || sinks != nullptr || windowed || upper_shift != 0; }
+  T* lse_rows(int64_t bh) const { return lse + bh * lse_stride_bh; }
   // Bytes of one stored K/V element.
   int64_t kv_item_bytes() const { return kv_storage == Storage::same ? int64_t(sizeof(T)) : 2; }
   // Query rows that read each key/value head: its group's query heads times the query length.
@@ -252,6 +258,22 @@ struct GemmArgs {
   int64_t m = 0, n = 0, k = 0;
 };
 
+// pyattn.merge_attention_states: P partial results of the same rows over disjoint key sets, each
+// with its rows' log-sum-exp, merged exactly: out_i = sum_p w_p out_p,i / W with w_p = e^(lse_p,i - M),
+// W = sum_p w_p (+ e^(sink - M)), lse_i = M + ln W, M the largest of the lse_p,i (and the sink). Rows
+// are value_dim apart in every output; part p's rows start at outs[p], its lses at lses[p]. Row i's
+// sink, when sinks is not null, is sinks[(i / q_len) % heads] (rows ordered (..., head, query)).
+template <class T>
+struct MergeArgs {
+  const T* const* outs = nullptr;  // [parts]
+  const T* const* lses = nullptr;  // [parts]
+  int64_t parts = 0, rows = 0, value_dim = 0;
+  const double* sinks = nullptr;
+  int64_t heads = 1, q_len = 1;
+  T* out = nullptr;
+  T* lse = nullptr;
+};
+
 // Kernels of one ISA for one dtype. Single-threaded, allocation-free, no exceptions.
 template <class T>
 struct KernelSet {
@@ -298,6 +320,8 @@ struct KernelSet {
   // ceil(kv_len / 64) words per row each.
   void (*pack_additive)(const T* data, int64_t stride_l, int64_t stride_s, int64_t rows, int64_t kv_len, uint64_t* bits,
                         uint64_t* value_bits);
+  // Rows [row_begin, row_end) of a merge of partial results (MergeArgs).
+  void (*merge_states)(const MergeArgs<T>& m, int64_t row_begin, int64_t row_end);
 };
 
 struct KernelTable {

@@ -60,6 +60,20 @@ struct Split {
 // rounded to whole blocks of `block` keys; one chunk when the tasks are enough already.
 Split split_keys(int64_t tasks, int64_t kv_len, int64_t block, int64_t min_chunk);
 
+// The natural log of a row's softmax denominator from its final state (m in log2 units, l the sum
+// scaled by 2^-m): -inf when the row saw no allowed key, NaN when m is NaN.
+template <class T>
+T row_lse(T m, T l) {
+  if (l == T(0)) return -std::numeric_limits<T>::infinity();
+  return (m + std::log2(l)) * T(0.693147180559945309417232121458176568);
+}
+
+// A merge that writes no log-sum-exp.
+template <class T>
+struct NoLse {
+  T* operator()(int64_t) const { return nullptr; }
+};
+
 // out_row(i)[e] = acc[i][e] / l[i]; a row that saw no allowed key (l == 0) becomes zeros.
 template <class T, class OutRow>
 void finalize(const RowState<T>& s, AccLayout lay, int64_t rows, int64_t value_dim, OutRow out_row) {
@@ -72,9 +86,11 @@ void finalize(const RowState<T>& s, AccLayout lay, int64_t rows, int64_t value_d
 }
 
 // Merges the partial states state_of(0 .. nsplit - 1) of one task's rows into the output rows
-// out_row(i), in chunk order (see the top of this file). A NaN maximum in any chunk makes the row NaN.
-template <class T, class StateAt, class OutRow>
-void merge_partials(int64_t nsplit, StateAt state_of, AccLayout lay, int64_t rows, int64_t value_dim, OutRow out_row) {
+// out_row(i), in chunk order (see the top of this file), and the rows' log-sum-exp into *lse_row(i)
+// where that is not null. A NaN maximum in any chunk makes the row NaN.
+template <class T, class StateAt, class OutRow, class LseRow = NoLse<T>>
+void merge_partials(int64_t nsplit, StateAt state_of, AccLayout lay, int64_t rows, int64_t value_dim, OutRow out_row,
+                    LseRow lse_row = LseRow{}) {
   for (int64_t i = 0; i < rows; ++i) {
     T m = -std::numeric_limits<T>::infinity();
     bool nan = false;
@@ -96,6 +112,7 @@ void merge_partials(int64_t nsplit, StateAt state_of, AccLayout lay, int64_t row
     }
     const T inv = l == T(0) ? T(0) : T(1) / l;
     for (int64_t e = 0; e < value_dim; ++e) o[e] *= inv;
+    if (T* at = lse_row(i)) *at = row_lse(m, l);
   }
 }
 

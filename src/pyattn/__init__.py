@@ -8,7 +8,7 @@ threads) behind a NumPy API with PyTorch's names and semantics. See README.md.
 from __future__ import annotations
 
 from . import _core
-from ._api import scaled_dot_product_attention, varlen_attention
+from ._api import merge_attention_states, scaled_dot_product_attention, varlen_attention
 from ._cache import KVCache
 from ._explain import Explanation, HeadSteps, explain, plot_heatmaps, render_text
 from ._mha import MultiHeadAttention, mha
@@ -24,6 +24,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree wi
 __all__ = [
     "scaled_dot_product_attention",
     "varlen_attention",
+    "merge_attention_states",
     "mha",
     "MultiHeadAttention",
     "KVCache",

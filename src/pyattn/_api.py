@@ -29,6 +29,7 @@ def scaled_dot_product_attention(
     softcap=None,
     sinks=None,
     alibi_slopes=None,
+    return_lse=False,
 ):
     """Scaled dot-product attention, softmax(Q Kᵀ · scale + mask) V, computed by a fused kernel.
 
@@ -75,11 +76,19 @@ def scaled_dot_product_attention(
     alibi_slopes : array_like, shape (Hq,) or (..., Hq), optional
         ALiBi: adds ``-slope_h · |d(i) - j|`` to the scaled scores (after softcap), d(i) as for window;
         leading axes broadcast against the output's batch dimensions (never adding any). Finite, any sign.
+    return_lse : bool
+        Also return each row's log-sum-exp: the natural log of its full softmax denominator, in the
+        scaled-score domain after softcap, ALiBi and masks (a sink's term included), -inf for a row
+        without an allowed key. Partial results over disjoint key sets merge exactly with
+        :func:`merge_attention_states`.
 
     Returns
     -------
     out : ndarray, shape (..., Hq, L, Ev)
     weights : ndarray, shape (..., Hq, L, S), only with return_weights=True
+    lse : ndarray, shape (..., Hq, L), only with return_lse=True
+        float32 for float32 and 16-bit inputs, float64 for float64. With both, the result is
+        ``(out, weights, lse)``.
 
     Notes
     -----
@@ -98,7 +107,7 @@ def scaled_dot_product_attention(
         attn_mask = as_array(attn_mask, "attn_mask")
     if out is not None and type(out) is not ndarray:
         refuse_masked(out, "out")
-    if window is None and softcap is None and sinks is None and alibi_slopes is None:
+    if window is None and softcap is None and sinks is None and alibi_slopes is None and not return_lse:
         return _core.sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, return_weights, out, num_threads)
     return _core.sdpa(
         query,
@@ -115,6 +124,7 @@ def scaled_dot_product_attention(
         softcap,
         sinks,
         alibi_slopes,
+        return_lse,
     )
 
 
@@ -134,6 +144,7 @@ def varlen_attention(
     enable_gqa=False,
     out=None,
     num_threads=None,
+    return_lse=False,
 ):
     """Attention over a packed batch of variable-length sequences (FlashAttention's varlen layout).
 
@@ -157,11 +168,15 @@ def varlen_attention(
         As in :func:`scaled_dot_product_attention`.
     out : ndarray, optional
         C-contiguous (total_q, Hq, Ev) output of the inputs' dtype, not overlapping any input.
+    return_lse : bool
+        Also return the rows' log-sum-exp, shape (Hq, total_q) (FlashAttention's varlen layout), as
+        in :func:`scaled_dot_product_attention`.
 
     Returns
     -------
-    ndarray, shape (total_q, Hq, Ev)
-        Rows of a sequence without keys are zeros.
+    out : ndarray, shape (total_q, Hq, Ev)
+        Rows of a sequence without keys are zeros (and their lse -inf).
+    lse : ndarray, shape (Hq, total_q), only with return_lse=True
     """
     if type(query) is not ndarray and query is not None:
         query = as_array(query, "query")
@@ -186,4 +201,45 @@ def varlen_attention(
         softcap,
         sinks,
         alibi_slopes,
+        return_lse,
     )
+
+
+def merge_attention_states(outputs, lses, *, sinks=None, out=None, num_threads=None):
+    """Merge partial attention results over disjoint key sets into the result over all of them.
+
+    Each part p is the output of the same query rows over its own keys (``out_p``) and the rows'
+    log-sum-exp (``lse_p``), as :func:`scaled_dot_product_attention`, :func:`varlen_attention` and
+    :meth:`KVCache.attend` return them with ``return_lse=True``. With ``M = max_p lse_p``::
+
+        w_p = exp(lse_p - M)
+        out = Σ_p w_p · out_p / Σ_p w_p
+        lse = M + log Σ_p w_p
+
+    which equals the attention over the union of the keys exactly (up to rounding), whatever the
+    split: shards of a long context, cache segments, key blocks on other workers.
+
+    Parameters
+    ----------
+    outputs : sequence of ndarray, or ndarray stacked as (P, ..., L, Ev)
+        The parts' outputs, all of one shape (..., L, Ev) and dtype; float32 and 16-bit outputs merge
+        in float32, float64 ones in float64.
+    lses : sequence of ndarray, or ndarray stacked as (P, ..., L)
+        Their log-sum-exps, shape (..., L); a -inf row (no allowed key in that part) contributes
+        nothing, whatever its output holds.
+    sinks : array_like, shape (Hq,), optional
+        Attention sinks applied once, here (the parts computed without them): one more term
+        ``exp(sink_h)`` in each denominator of head h, the rows ordered (..., Hq, L).
+    out : ndarray, optional
+        C-contiguous (..., L, Ev) array of the compute dtype for the merged output.
+    num_threads : int, optional
+        Threads for this call; default pyattn.get_num_threads().
+
+    Returns
+    -------
+    out : ndarray, shape (..., L, Ev)
+        Rows without an allowed key in any part are zeros, never NaN.
+    lse : ndarray, shape (..., L)
+        The merged log-sum-exp (-inf for those rows; with sinks, the sink's term included).
+    """
+    return _core.merge_states(outputs, lses, sinks, out, num_threads)

@@ -358,7 +358,18 @@ class KVCache:
             self._attend_key = key
         return self._attend_state
 
-    def attend(self, query, *, scale=None, num_threads=None, window=None, softcap=None, sinks=None, alibi_slopes=None):
+    def attend(
+        self,
+        query,
+        *,
+        scale=None,
+        num_threads=None,
+        window=None,
+        softcap=None,
+        sinks=None,
+        alibi_slopes=None,
+        return_lse=False,
+    ):
         """Attention of the last appended chunk's queries over each row's cached keys.
 
         Query i of row b is at position lengths[b] - num_new[b] - first[b] + i, with first[b] = 0
@@ -379,11 +390,16 @@ class KVCache:
             As in :func:`pyattn.scaled_dot_product_attention`, with d(i) each query's own position
             (the causal alignment); only the keys inside a window are read. alibi_slopes is (num_heads,)
             or (batch, num_heads).
+        return_lse : bool
+            Also return the rows' log-sum-exp (batch, num_heads, chunk), as in
+            :func:`pyattn.scaled_dot_product_attention`: the partial result of a cache shard that
+            :func:`pyattn.merge_attention_states` merges exactly.
 
         Returns
         -------
-        ndarray, (batch, num_heads, chunk, value_dim)
+        out : ndarray, (batch, num_heads, chunk, value_dim)
             float32 for 16-bit caches, else the cache dtype.
+        lse : ndarray, (batch, num_heads, chunk), only with return_lse=True
         """
         q = as_array(query, "query")
         if q.ndim != 4 or q.shape[0] != self.batch or q.shape[3] != self.head_dim:
@@ -407,7 +423,7 @@ class KVCache:
             q = q.astype(self._compute)
         kv_len, lengths, causal_offsets = self._causal_state()
         # Read in place by the kernels (16-bit storage converted to float32 a key block at a time).
-        if window is None and softcap is None and sinks is None and alibi_slopes is None:
+        if window is None and softcap is None and sinks is None and alibi_slopes is None and not return_lse:
             return _core.sdpa_cache(
                 q, self._k_core, self._v_core, self._half, kv_len, lengths, causal_offsets, scale, num_threads
             )
@@ -425,6 +441,7 @@ class KVCache:
             softcap,
             sinks,
             alibi_slopes,
+            return_lse,
         )
 
 
