@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-__all__ = ["mha", "scaled_dot_product_attention", "varlen_attention"]
+__all__ = ["merge_attention_states", "mha", "scaled_dot_product_attention", "varlen_attention"]
 
 
 def _is_float_mask(mask):
@@ -124,6 +124,7 @@ def scaled_dot_product_attention(
     softcap=None,
     sinks=None,
     alibi_slopes=None,
+    return_lse=False,
 ):
     """softmax(query @ key^T * scale + mask) @ value, computed in float64.
 
@@ -213,11 +214,18 @@ def scaled_dot_product_attention(
             # 0 * inf would be NaN: select allowed (query, key) pairs explicitly.
             terms = weights[..., :, :, None] * v[..., None, :, :]
             out = np.where(allowed[..., :, :, None], terms, 0.0).sum(axis=-2)
+    results = (out,)
     if return_weights:
         # Weights take the output's batch shape (value or the mask may add batch dimensions).
-        weights = np.broadcast_to(weights, out.shape[:-2] + weights.shape[-2:]).copy()
-        return out, weights
-    return out
+        results += (np.broadcast_to(weights, out.shape[:-2] + weights.shape[-2:]).copy(),)
+    if return_lse:
+        # ln(row_sum) + row_max: the log of the whole denominator (the sink's term included); -inf
+        # for a row with neither an allowed key nor a finite sink.
+        with np.errstate(divide="ignore", invalid="ignore"):
+            lse = np.log(row_sum[..., 0]) + row_max[..., 0]
+        lse = np.where(row_sum[..., 0] == 0, -np.inf, lse)
+        results += (np.broadcast_to(lse, out.shape[:-1]).copy(),)
+    return results[0] if len(results) == 1 else results
 
 
 def _check_cu_seqlens(cu_seqlens, name, total):
@@ -245,6 +253,7 @@ def varlen_attention(
     alibi_slopes=None,
     scale=None,
     enable_gqa=False,
+    return_lse=False,
 ):
     """Attention over sequences packed along the token axis (FlashAttention's varlen layout), in float64.
 
@@ -253,7 +262,8 @@ def varlen_attention(
     integer prefix sums of their lengths. Sequence b is query rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
     against keys cu_seqlens_k[b]:cu_seqlens_k[b+1], computed by :func:`scaled_dot_product_attention`
     on its (H, len, E) transposes with the other arguments unchanged (``alibi_slopes`` (Hq,) only).
-    A sequence without keys gives zeros. Returns (total_q, Hq, Ev) float64.
+    A sequence without keys gives zeros. Returns (total_q, Hq, Ev) float64, and with return_lse the
+    rows' log-sum-exp (Hq, total_q) (-inf for a sequence without keys).
     """
     q = np.asarray(query, dtype=np.float64)
     k = np.asarray(key, dtype=np.float64)
@@ -271,10 +281,11 @@ def varlen_attention(
         raise ValueError(f"alibi_slopes: expected shape ({q.shape[1]},), got {np.shape(alibi_slopes)}")
 
     out = np.zeros(q.shape[:2] + v.shape[2:])
+    lse = np.full(q.shape[1::-1], -np.inf)
     for b in range(cu_q.size - 1):
         rows = slice(cu_q[b], cu_q[b + 1])
         keys = slice(cu_k[b], cu_k[b + 1])
-        out[rows] = scaled_dot_product_attention(
+        seq_out, seq_lse = scaled_dot_product_attention(
             q[rows].transpose(1, 0, 2),
             k[keys].transpose(1, 0, 2),
             v[keys].transpose(1, 0, 2),
@@ -285,8 +296,37 @@ def varlen_attention(
             softcap=softcap,
             sinks=sinks,
             alibi_slopes=alibi_slopes,
-        ).transpose(1, 0, 2)
-    return out
+            return_lse=True,
+        )
+        out[rows] = seq_out.transpose(1, 0, 2)
+        lse[:, rows] = seq_lse
+    return (out, lse) if return_lse else out
+
+
+def merge_attention_states(outputs, lses, *, sinks=None):
+    """The exact merge of partial results over disjoint key sets (see
+    :func:`pyattn.merge_attention_states`), in float64: weights e^(lse_p - M) over the parts (and the
+    sink), parts with a -inf lse left out. Returns (out, lse)."""
+    outs = [np.asarray(o, dtype=np.float64) for o in outputs]
+    ls = [np.asarray(x, dtype=np.float64) for x in lses]
+    top = np.max(np.stack(ls), axis=0)
+    if sinks is not None:
+        sink = np.asarray(sinks, dtype=np.float64)[:, None]  # (Hq, 1) against (..., Hq, L)
+        top = np.maximum(top, sink)
+    safe = np.where(np.isfinite(top), top, 0.0)
+    total = np.zeros_like(top)
+    out = np.zeros_like(outs[0])
+    with np.errstate(invalid="ignore", over="ignore"):
+        for o, x in zip(outs, ls):
+            w = np.where(x == -np.inf, 0.0, np.exp(x - safe))
+            total = total + w
+            out = out + np.where((x == -np.inf)[..., None], 0.0, w[..., None] * o)
+        if sinks is not None:
+            total = total + np.where(sink == -np.inf, 0.0, np.exp(sink - safe))
+        out = out / np.where(total == 0, 1.0, total)[..., None]
+        lse = np.where(total == 0, -np.inf, np.log(np.where(total == 0, 1.0, total)) + safe)
+    nan = np.isnan(np.stack(ls)).any(axis=0)
+    return np.where(nan[..., None], np.nan, out), np.where(nan, np.nan, lse)
 
 
 # ----------------------------------------------------------------------------------------------
