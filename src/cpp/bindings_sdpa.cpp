@@ -324,7 +324,7 @@ void describe_mask(Call& c, py::array mask, FloatKind kind, const Dims& batch) {
 py::object sdpa(py::handle query, py::handle key, py::handle value, py::handle attn_mask, py::handle is_causal,
                 py::handle scale, py::handle enable_gqa, py::handle return_weights, py::handle out_obj,
                 py::handle num_threads, py::handle window, py::handle softcap, py::handle sinks,
-                py::handle alibi_slopes, py::handle return_lse) {
+                py::handle alibi_slopes, py::handle return_lse, py::handle diagonal) {
   const py::array q_in = float_input(query, "query"), k_in = float_input(key, "key"),
                   v_in = float_input(value, "value");
   const py::dtype dtype = q_in.dtype();
@@ -373,6 +373,9 @@ py::object sdpa(py::handle query, py::handle key, py::handle value, py::handle a
   const Causal causal = parse_causal(is_causal);
   c.causal = causal != Causal::none;
   c.causal_offset = causal_offset(causal, c.q_len, c.kv_len);
+  // Private (pyattn.distributed): the diagonal of a block of a larger problem, d(i) = i + diagonal,
+  // for the causal rule, the window and ALiBi alike, instead of the alignment's.
+  if (!diagonal.is_none()) c.causal_offset = diagonal.cast<int64_t>();
   c.scale = parse_scale(scale, c.head_dim);
   c.variants = parse_variants(window, softcap, sinks, alibi_slopes, batch, c.num_heads);
   const py::array mask = attn_mask.is_none() ? no_array() : check_mask(attn_mask, dtype, batch, c);
@@ -658,7 +661,7 @@ void bind_sdpa(py::module_& m) {
   m.def("sdpa", &sdpa, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("attn_mask"), py::arg("is_causal"),
         py::arg("scale"), py::arg("enable_gqa"), py::arg("return_weights"), py::arg("out"), py::arg("num_threads"),
         py::arg("window") = py::none(), py::arg("softcap") = py::none(), py::arg("sinks") = py::none(),
-        py::arg("alibi_slopes") = py::none(), py::arg("return_lse") = false,
+        py::arg("alibi_slopes") = py::none(), py::arg("return_lse") = false, py::arg("diagonal") = py::none(),
         "pyattn.scaled_dot_product_attention on NumPy arrays: the whole contract (see its docstring).");
   m.def("sdpa_cache", &sdpa_cache, py::arg("query"), py::arg("k_storage"), py::arg("v_storage"), py::arg("storage"),
         py::arg("kv_len"), py::arg("lengths"), py::arg("causal_offsets"), py::arg("scale"), py::arg("num_threads"),

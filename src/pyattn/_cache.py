@@ -476,3 +476,30 @@ def layer_step(cache, rows, weights, dims, num_new, left_padded, out, num_thread
         *variants,
     )
     cache._commit_append(counts, end, dims[1], left_padded)
+
+
+def attend_from(cache, query, position, scale, softcap, num_threads):
+    """(out, lse) of queries at positions position + i (counted from the cache's first key, possibly
+    beyond its filled length: then every cached key is visible) over every row's cached keys, for a
+    cache holding one shard of a longer sequence (pyattn.distributed.ShardedKVCache)."""
+    q = as_array(query, "query")
+    if q.dtype != cache._compute:
+        q = q.astype(cache._compute)
+    lengths = cache._checked_lengths()
+    offsets = np.full(cache.batch, int(position), dtype=np.int64)
+    return _core.sdpa_cache(
+        q,
+        cache._k_core,
+        cache._v_core,
+        cache._half,
+        int(lengths.max()),
+        lengths,
+        offsets,
+        scale,
+        num_threads,
+        None,
+        softcap,
+        None,
+        None,
+        True,
+    )

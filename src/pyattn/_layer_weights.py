@@ -49,6 +49,12 @@ class LayerWeights:
 
     def __setstate__(self, state):
         was_packed = state.pop("_was_packed", False)
+        # Unpickled arrays may sit anywhere in the loader's buffer (pickle protocol 5, Dask's frames):
+        # the core reads weights only element-aligned, so misaligned ones are copied.
+        state = {
+            key: np.require(value, requirements="A") if isinstance(value, np.ndarray) else value
+            for key, value in state.items()
+        }
         self.__dict__.update(state)
         if was_packed:
             self.packed()
