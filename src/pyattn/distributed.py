@@ -362,6 +362,9 @@ class _CacheShard:
     def attend(self, query, position, scale, softcap, threads):
         return attend_from(self.cache, query, position, scale, softcap, threads)
 
+    def length(self):
+        return int(self.cache.lengths[0])
+
 
 class ShardedKVCache:
     """A KV cache for decoding split along the sequence over Dask workers, one shard per actor.
@@ -429,6 +432,10 @@ class ShardedKVCache:
     def length(self):
         """Tokens cached per row, over all shards."""
         return sum(self.lengths)
+
+    def shard_lengths(self):
+        """Each shard's token count as its actor reports it (one round trip to every shard)."""
+        return [f.result() for f in [shard.length() for shard in self.shards]]
 
     def append(self, key, value):
         """Append a chunk (batch, num_kv_heads, n, dim) of keys and values, shard after shard."""
