@@ -23,8 +23,10 @@ Rows:
 * decode: one step of a 32-head (8 KV heads, head_dim 128) float32 cache of S tokens (default 64k
   and 256k) split over ``ShardedKVCache`` actors, one per worker: the new query row to every shard,
   (output, lse) back, merged on the client; against ``KVCache.attend`` on the whole cache in one
-  process. ``overhead`` = sharded - single-process time: scheduling, transfer and the merge (target
-  <= 3 ms over 2 shards), with the round trip of an empty actor call for scale.
+  process. ``overhead`` = sharded - single-process time; on the ``one shard, in process`` row (the
+  last shard's attention in this process on one worker's threads: what each worker computes),
+  sharded - that time: scheduling, transfer and the merge (target <= 3 ms over 2 shards), with the
+  round trip of an empty actor call for scale. ``--prefill-len 0`` skips the prefill.
 
 Errors: ``max err`` = max |sharded - single-process| (float32 rounding of the merge).
 """
@@ -123,18 +125,24 @@ def decode_rows(pyattn, pd, client, args, rng, length):
     sharded.append(k, v)
     single.append(k, v)
     q = rng.standard_normal((1, hq, 1, dim), dtype=np.float32)
+    # What one worker computes: its shard (the last one, which holds the new token), on its threads.
+    shard = pyattn.KVCache(1, hk, dim, per_shard)
+    tail = length - (args.workers - 1) * per_shard
+    shard.append(single.keys()[:, :, length - tail : length - 1], single.values()[:, :, length - tail : length - 1])
+    shard.append(single.keys()[:, :, length - 1 :], single.values()[:, :, length - 1 :])
     times = {}
     for _ in range(args.rounds):
         for name, fn in (
             ("single process", lambda: single.attend(q, num_threads=threads)),
             ("sharded", lambda: sharded.attend(q)),
+            ("one shard, in process", lambda: shard.attend(q, num_threads=args.threads_per_worker)),
             ("empty actor round trip", sharded.shard_lengths),
         ):
             med, low, out = timed(fn, args.decode_runs)
             times.setdefault(name, []).append((med, low, out))
     reference = times["single process"][-1][2]
     rows = []
-    for name in ("single process", "sharded", "empty actor round trip"):
+    for name in ("single process", "sharded", "one shard, in process", "empty actor round trip"):
         med = float(np.median([t[0] for t in times[name]]))
         low = min(t[1] for t in times[name])
         out = times[name][-1][2]
@@ -144,12 +152,14 @@ def decode_rows(pyattn, pd, client, args, rng, length):
                 "how": name,
                 "ms": med * 1e3,
                 "min_ms": low * 1e3,
-                "gflops": None if name.startswith("empty") else 4 * hq * dim * length / med / 1e9,
-                "max_err": None if name.startswith("empty") else float(np.abs(out - reference).max()),
+                "gflops": None if name.startswith(("empty", "one")) else 4 * hq * dim * length / med / 1e9,
+                "max_err": None if name.startswith(("empty", "one")) else float(np.abs(out - reference).max()),
             }
         )
     rows[1]["vs_single"] = rows[1]["ms"] / rows[0]["ms"]
     rows[1]["overhead_ms"] = rows[1]["ms"] - rows[0]["ms"]
+    # Beyond the slowest shard's own work: scheduling, transfer and the merge.
+    rows[2]["overhead_ms"] = rows[1]["ms"] - rows[2]["ms"]
     return rows
 
 
@@ -230,7 +240,7 @@ def main(argv=None):
         ) as cluster,
         Client(cluster) as client,
     ):
-        for r in prefill_row(pyattn, pd, client, args, rng):
+        for r in prefill_row(pyattn, pd, client, args, rng) if args.prefill_len > 0 else []:
             rows.append(r)
             print(table.add(cells(r)), flush=True)
         for length in args.decode_lens:
