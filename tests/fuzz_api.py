@@ -447,6 +447,9 @@ def cases(draw):
     if draw(st.integers(0, 3)) == 0:
         kwargs["return_weights"] = True
         tags.append("return_weights")
+    if draw(st.integers(0, 3)) == 0:
+        kwargs["return_lse"] = True
+        tags.append("return_lse")
 
     # out=
     out_kind = draw(st.sampled_from(["none", "none", "none", "good"]))
@@ -604,6 +607,20 @@ def check(case: Case):
         want = reference.scaled_dot_product_attention(*inputs, **kwargs)
         factor = _score_factor(case.query, case.key, kwargs.get("scale"))
         got = result
+        if case.kwargs.get("return_lse"):
+            assert isinstance(result, tuple) and isinstance(want, tuple)
+            *result, lse = result
+            *want, want_lse = want
+            result = result[0] if len(result) == 1 else tuple(result)
+            want = want[0] if len(want) == 1 else tuple(want)
+            got = result
+            assert lse.shape == want_lse.shape, (lse.shape, want_lse.shape)
+            compute = np.float64 if _result_dtype(case) == np.float64 else np.float32
+            assert lse.dtype == compute
+            finite = np.isfinite(want_lse)
+            assert (np.isneginf(lse) == np.isneginf(want_lse)).all()
+            # lse sits at the scores' scale: its error is the scores' (factor), in the compute dtype
+            _compare(lse[finite], want_lse[finite], compute, factor)
         if case.kwargs.get("return_weights"):
             assert isinstance(result, tuple) and len(result) == 2
             got, weights = result

@@ -256,3 +256,18 @@ def test_any_split_merges_to_the_unsplit_call_property(cuts, q_len, mode, seed):
     )
     np.testing.assert_allclose(merged, full, *tol(np.float32))
     np.testing.assert_allclose(lse, full_lse, *tol(np.float32))
+
+
+@pytest.mark.parametrize("q_len", [1, 20])
+def test_lse_without_value_columns(isa, rng, q_len):
+    # value_dim 0: the output is empty, the log-sum-exp is not (found by the fuzzer: it was skipped).
+    q, k, _ = make_qkv(rng, np.float32, batch=(2,), q_heads=3, q_len=q_len, kv_len=9, head_dim=8)
+    v = np.zeros((2, 3, 9, 0), np.float32)
+    out, lse = pyattn.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True)
+    assert out.shape == (2, 3, q_len, 0)
+    assert_lse(lse, reference.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True)[1], "float32")
+    qp, kp = q[0].transpose(1, 0, 2).copy(), k[0].transpose(1, 0, 2).copy()
+    cu_q, cu_k = np.array([0, q_len]), np.array([0, 9])
+    got = pyattn.varlen_attention(qp, kp, np.zeros((9, 3, 0), np.float32), cu_q, cu_k, return_lse=True)[1]
+    want = reference.varlen_attention(qp, kp, np.zeros((9, 3, 0)), cu_q, cu_k, return_lse=True)[1]
+    assert_lse(got, want, "float32")

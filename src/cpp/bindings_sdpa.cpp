@@ -403,8 +403,8 @@ py::object sdpa(py::handle query, py::handle key, py::handle value, py::handle a
     lse_shape.n -= 1;
     c.lse = array_on_line(compute, lse_shape, "return_lse");
   }
-  const bool nothing_to_do =
-      c.out.size() == 0 && (!want_weights || py::reinterpret_borrow<py::array>(c.weights).size() == 0);
+  auto empty = [](const py::object& x) { return x.is_none() || py::reinterpret_borrow<py::array>(x).size() == 0; };
+  const bool nothing_to_do = c.out.size() == 0 && empty(c.weights) && empty(c.lse);  // value_dim 0 still has lse
 
   // The operands as the kernels read them.
   if (!nothing_to_do) {
@@ -626,7 +626,7 @@ py::object varlen(py::handle query, py::handle key, py::handle value, py::handle
     c.lse = array_on_line(compute, Dims{c.num_heads, q_in.shape(0)}, "return_lse");
     c.lse.attr("fill")(-std::numeric_limits<double>::infinity());
   }
-  if (c.out.size() > 0) {
+  if (c.out.size() > 0 || (want_lse && py::reinterpret_borrow<py::array>(c.lse).size() > 0)) {
     c.q = half ? widen(q_in, kind, c.threads, "query") : kernel_layout(q_in, true, "query");
     if (half) {
       c.k = view_as(kernel_layout(k_in, true, "key"), py::dtype::of<uint16_t>());
