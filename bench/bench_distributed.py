@@ -62,8 +62,8 @@ def prefill_row(pyattn, pd, client, args, rng):
     k_shards, v_shards = [], []
     for s in range(shards):  # round-robin: each worker holds every other shard
         where = [workers[s % len(workers)]]
-        k_shards.append(client.scatter(k[..., cuts[s] : cuts[s + 1], :], workers=where))
-        v_shards.append(client.scatter(v[..., cuts[s] : cuts[s + 1], :], workers=where))
+        k_shards.append(client.scatter(k[..., cuts[s] : cuts[s + 1], :], workers=where, hash=False))
+        v_shards.append(client.scatter(v[..., cuts[s] : cuts[s + 1], :], workers=where, hash=False))
     threads = args.workers * args.threads_per_worker
 
     def sharded():

@@ -97,8 +97,8 @@ def test_sharded_equals_single_process(client, rng, cuts, options, query_blocks)
 def test_sharded_float64_futures_and_dask_arrays(client, rng):
     da = pytest.importorskip("dask.array")
     q, k, v = problem(rng, np.float64, batch=2)
-    k_futures = client.scatter(shards(k, [0, 100, 300]))
-    v_futures = client.scatter(shards(v, [0, 100, 300]))
+    k_futures = client.scatter(shards(k, [0, 100, 300]), hash=False)
+    v_futures = client.scatter(shards(v, [0, 100, 300]), hash=False)
     got = pd.sharded_attention(q, k_futures, v_futures, client=client, is_causal=True, enable_gqa=True)
     want = pyattn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     np.testing.assert_allclose(got, want, *tol(np.float64))
@@ -139,8 +139,8 @@ def test_a_worker_that_dies_gives_an_error_or_the_right_result(rng):
     q, k, v = problem(rng)
     want = pyattn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     with local_cluster() as cluster, Client(cluster) as client:
-        k_futures = client.scatter(shards(k, [0, 150, 300]), broadcast=False)
-        v_futures = client.scatter(shards(v, [0, 150, 300]), broadcast=False)
+        k_futures = client.scatter(shards(k, [0, 150, 300]), hash=False)
+        v_futures = client.scatter(shards(v, [0, 150, 300]), hash=False)
         holders = {w for f in k_futures for w in client.who_has([f])[f.key]}
         victim = sorted(holders)[0]
         with contextlib.suppress(Exception):  # the run's own reply is lost with the process

@@ -114,7 +114,9 @@ def _as_shards(client, shards, name):
         raise ValueError(f"{name}: expected at least one shard")
     futures, lengths = [], []
     local = [i for i, s in enumerate(shards) if not isinstance(s, Future)]
-    scattered = client.scatter([np.asarray(shards[i]) for i in local]) if local else []
+    # hash=False: equal arrays of two calls (empty shards, the same data) must not share a key, or
+    # the first call's release of its futures drops the second's data ("lost dependencies").
+    scattered = client.scatter([np.asarray(shards[i]) for i in local], hash=False) if local else []
     by_index = dict(zip(local, scattered))
     for i, s in enumerate(shards):
         futures.append(by_index.get(i, s))
@@ -233,7 +235,7 @@ def sharded_attention(
         q0, q1 = edges[b], edges[b + 1]
         if q1 == q0:
             continue
-        q_future = client.scatter(_slice_rows(query, q0, q1))
+        q_future = client.scatter(_slice_rows(query, q0, q1), hash=False)
         parts = []
         for s, (kf, vf) in enumerate(zip(k_futures, v_futures)):
             k0, k1 = starts[s], starts[s + 1]
