@@ -41,7 +41,9 @@ def scaled_dot_product_attention(
         float32, float64, float16 or bfloat16 (ml_dtypes), all the same dtype; 16-bit inputs are
         computed in float32 and the result returned in their dtype. Leading batch dimensions
         broadcast against each other. 2-D inputs (L, E) are one head; 3-D inputs are (heads, L, E). Any strides are read
-        in place; an input whose last axis is not contiguous is copied first.
+        in place; an input whose last axis is not contiguous is copied first. PyTorch CPU tensors and any
+        array with ``__dlpack__`` on the CPU (JAX, CuPy host arrays) are read without a copy; arrays on
+        other devices are a TypeError.
     attn_mask : ndarray, optional
         Broadcastable to (..., Hq, L, S). Boolean: True means the query may attend to the key
         (PyTorch's convention). Floating (same dtype as query): added to the scaled scores; -inf

@@ -39,11 +39,25 @@ def refuse_masked(x, name):
             )
 
 
+# DLPack device types whose memory the CPU reads directly: kDLCPU, kDLCUDAHost (pinned host memory).
+_CPU_DEVICES = (1, 3)
+
+
+def _device_error(name, device):
+    return TypeError(
+        f"{name}: the array lives on device {device}; pyattn computes on the CPU: move it to host memory "
+        "first (e.g. tensor.cpu(), jax.device_get, cupy.asnumpy)"
+    )
+
+
 def _tensor_values(x, name):
-    """A torch tensor's values as a NumPy array (no copy for a CPU tensor): detached (pyattn is
-    inference only), bfloat16 as ml_dtypes.bfloat16 (numpy() has no bfloat16), and a dtype NumPy
-    lacks a TypeError naming the argument."""
-    t = x.detach().cpu()
+    """A CPU torch tensor's values as a NumPy array (no copy): detached (pyattn is inference only),
+    bfloat16 as ml_dtypes.bfloat16 (numpy() has no bfloat16), a dtype NumPy lacks a TypeError naming
+    the argument, and a tensor on another device a TypeError (never a silent copy to the host)."""
+    device = getattr(x, "device", None)
+    if device is not None and getattr(device, "type", "cpu") != "cpu":
+        raise _device_error(name, device)
+    t = x.detach()
     if str(t.dtype) == "torch.bfloat16":
         try:
             import ml_dtypes
@@ -56,9 +70,25 @@ def _tensor_values(x, name):
         raise TypeError(f"{name}: a torch tensor of dtype {t.dtype} has no NumPy equivalent ({exc})") from None
 
 
+def _dlpack_values(x, name):
+    """An object with __dlpack__ (JAX, CuPy host arrays, ...) as a NumPy array sharing its memory;
+    another device is a TypeError. A dtype NumPy's DLPack import lacks (bfloat16) goes through
+    np.asarray (the exporter's own conversion)."""
+    try:
+        device = x.__dlpack_device__()
+    except Exception:  # noqa: BLE001  (an exporter without a device query: np.asarray decides)
+        return np.asarray(x)
+    if int(device[0]) not in _CPU_DEVICES:
+        raise _device_error(name, tuple(int(d) for d in device))
+    try:
+        return np.from_dlpack(x)
+    except (BufferError, TypeError, RuntimeError, ValueError):
+        return np.asarray(x)
+
+
 def as_array(x, name):
-    """x as a NumPy array: an ndarray itself (a masked one refused), a torch tensor's values,
-    anything else through np.asarray."""
+    """x as a NumPy array: an ndarray itself (a masked one refused), a CPU torch tensor's values, a
+    DLPack exporter's memory on the CPU (no copy), anything else through np.asarray."""
     if type(x) is ndarray:
         return x
     if isinstance(x, ndarray):
@@ -66,6 +96,8 @@ def as_array(x, name):
         return x
     if hasattr(x, "detach") and hasattr(x, "cpu") and hasattr(x, "numpy"):  # a torch tensor
         return _tensor_values(x, name)
+    if hasattr(x, "__dlpack__"):
+        return _dlpack_values(x, name)
     return np.asarray(x)
 
 
