@@ -45,6 +45,27 @@ py::array float_input(py::handle obj, const char* name) {
   return x;
 }
 
+// The dtype class that query, key and value share (a TypeError naming all three otherwise).
+FloatKind same_float_kind(const py::array& q, const py::array& k, const py::array& v) {
+  const FloatKind kind = float_kind(q.dtype());
+  if (float_kind(k.dtype()) != kind || float_kind(v.dtype()) != kind)
+    type_fail("query, key and value must have the same dtype, got " + str_of(q.dtype()) + ", " + str_of(k.dtype()) +
+              " and " + str_of(v.dtype()));
+  return kind;
+}
+
+// Query heads against key/value heads: equal, or with enable_gqa a multiple.
+void check_heads(int64_t num_heads, int64_t num_kv_heads, py::handle enable_gqa) {
+  if (truthy(enable_gqa)) {
+    if (num_kv_heads == 0 || num_heads % num_kv_heads != 0)
+      fail("enable_gqa: query heads (" + std::to_string(num_heads) + ") must be a multiple of key/value heads (" +
+           std::to_string(num_kv_heads) + ")");
+  } else if (num_heads != num_kv_heads) {
+    fail("key: number of heads (" + std::to_string(num_kv_heads) + ") must equal query's (" +
+         std::to_string(num_heads) + "); pass enable_gqa=True for grouped-query attention");
+  }
+}
+
 // x's shape read as (..., heads, len, dim): 2-D inputs are one head.
 Dims heads_shape(const py::array& x) {
   Dims s = shape_of(x);
@@ -328,10 +349,7 @@ py::object sdpa(py::handle query, py::handle key, py::handle value, py::handle a
   const py::array q_in = float_input(query, "query"), k_in = float_input(key, "key"),
                   v_in = float_input(value, "value");
   const py::dtype dtype = q_in.dtype();
-  const FloatKind kind = float_kind(dtype);
-  if (float_kind(k_in.dtype()) != kind || float_kind(v_in.dtype()) != kind)
-    type_fail("query, key and value must have the same dtype, got " + str_of(dtype) + ", " + str_of(k_in.dtype()) +
-              " and " + str_of(v_in.dtype()));
+  const FloatKind kind = same_float_kind(q_in, k_in, v_in);
   Call c;
   const bool want_lse = truthy(return_lse);
   c.threads = parse_threads(num_threads);
@@ -355,14 +373,7 @@ py::object sdpa(py::handle query, py::handle key, py::handle value, py::handle a
   if (tail(vs, 0) != num_kv_heads)
     fail("value: number of heads must equal key's (" + std::to_string(num_kv_heads) + "), got value shape " +
          tuple_repr(vs));
-  if (truthy(enable_gqa)) {
-    if (num_kv_heads == 0 || c.num_heads % num_kv_heads != 0)
-      fail("enable_gqa: query heads (" + std::to_string(c.num_heads) + ") must be a multiple of key/value heads (" +
-           std::to_string(num_kv_heads) + ")");
-  } else if (c.num_heads != num_kv_heads) {
-    fail("key: number of heads (" + std::to_string(num_kv_heads) + ") must equal query's (" +
-         std::to_string(c.num_heads) + "); pass enable_gqa=True for grouped-query attention");
-  }
+  check_heads(c.num_heads, num_kv_heads, enable_gqa);
   const Dims* all[3] = {&qs, &ks, &vs};
   const Dims batch = broadcast_batch(all);
   c.group = num_kv_heads > 0 ? c.num_heads / num_kv_heads : 1;
@@ -574,10 +585,7 @@ py::object varlen(py::handle query, py::handle key, py::handle value, py::handle
   const py::array q_in = float_input(query, "query"), k_in = float_input(key, "key"),
                   v_in = float_input(value, "value");
   const py::dtype dtype = q_in.dtype();
-  const FloatKind kind = float_kind(dtype);
-  if (float_kind(k_in.dtype()) != kind || float_kind(v_in.dtype()) != kind)
-    type_fail("query, key and value must have the same dtype, got " + str_of(dtype) + ", " + str_of(k_in.dtype()) +
-              " and " + str_of(v_in.dtype()));
+  const FloatKind kind = same_float_kind(q_in, k_in, v_in);
   if (q_in.ndim() != 3 || k_in.ndim() != 3 || v_in.ndim() != 3)
     fail("query, key and value: expected packed (total_len, heads, dim) arrays, got shapes " +
          str_of(q_in.attr("shape")) + ", " + str_of(k_in.attr("shape")) + " and " + str_of(v_in.attr("shape")));
@@ -592,14 +600,7 @@ py::object varlen(py::handle query, py::handle key, py::handle value, py::handle
          str_of(k_in.attr("shape")));
   if (v_in.shape(0) != k_in.shape(0) || v_in.shape(1) != num_kv_heads)
     fail("value: (total_k, heads) must equal key's, got value shape " + str_of(v_in.attr("shape")));
-  if (truthy(enable_gqa)) {
-    if (num_kv_heads == 0 || c.num_heads % num_kv_heads != 0)
-      fail("enable_gqa: query heads (" + std::to_string(c.num_heads) + ") must be a multiple of key/value heads (" +
-           std::to_string(num_kv_heads) + ")");
-  } else if (c.num_heads != num_kv_heads) {
-    fail("key: number of heads (" + std::to_string(num_kv_heads) + ") must equal query's (" +
-         std::to_string(c.num_heads) + "); pass enable_gqa=True for grouped-query attention");
-  }
+  check_heads(c.num_heads, num_kv_heads, enable_gqa);
   c.group = num_kv_heads > 0 ? c.num_heads / num_kv_heads : 1;
   c.cu_q = parse_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q_in.shape(0));
   c.cu_k = parse_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k_in.shape(0));
