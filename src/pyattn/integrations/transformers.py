@@ -25,7 +25,10 @@ that require grad under grad mode, raise an error that says what to do (``model.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
+import transformers
 from transformers import AttentionInterface
 from transformers import masking_utils as _masking
 
@@ -223,6 +226,11 @@ def register():
     str
         The name to pass: ``"pyattn"``.
     """
+    if "q_offset" not in inspect.signature(_masking.sdpa_mask).parameters:
+        raise ImportError(
+            "pyattn.integrations.transformers needs transformers' mask interface with q_offset/kv_offset "
+            f"(transformers >= 5); this is transformers {transformers.__version__}"
+        )
     if AttentionInterface._global_mapping.get(NAME) is not attention_forward:
         AttentionInterface.register(NAME, attention_forward)
     if _masking.AttentionMaskInterface._global_mapping.get(NAME) is not mask_function:
