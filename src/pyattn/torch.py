@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import operator
 from typing import Optional
 
 import torch
@@ -39,11 +40,22 @@ _OPTIONS = ("window", "softcap", "sinks", "alibi_slopes", "num_threads")
 
 def _output_shape(query, key, value):
     """The result's shape under pyattn's rules: (L, Ev) for 2-D operands, else the broadcast batch
-    axes + (Hq, L, Ev). Mismatches are left to the core, which names the argument."""
+    axes + (Hq, L, Ev) (a 2-D operand among 3-D ones is one head). What does not fit is a ValueError
+    naming the arguments, as the core would raise."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() < 2:
+            raise ValueError(f"{name}: expected at least 2 dimensions (..., L, E), got shape {tuple(t.shape)}")
     if max(query.dim(), key.dim(), value.dim()) == 2:
         return (query.shape[-2], value.shape[-1])
-    lead = torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
-    return (*lead, query.shape[-3], query.shape[-2], value.shape[-1])
+    try:
+        lead = torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
+    except RuntimeError:
+        raise ValueError(
+            "query, key and value: leading batch dimensions do not broadcast: "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        ) from None
+    heads = query.shape[-3] if query.dim() >= 3 else 1
+    return (*lead, heads, query.shape[-2], value.shape[-1])
 
 
 def _numpy_view(t):
@@ -142,9 +154,8 @@ def _op_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
             f"dropout_p: pyattn is inference only and has no dropout, got {dropout_p!r}; pass 0.0 (a model in "
             ".eval() mode does), or use torch.nn.functional.scaled_dot_product_attention for training"
         )
-    try:
-        causal = _CAUSAL[is_causal]
-    except (KeyError, TypeError):
+    causal = _CAUSAL.get(is_causal) if isinstance(is_causal, (bool, str)) else None
+    if causal is None:
         raise ValueError(f"is_causal: expected False, True, 'upper_left' or 'lower_right', got {is_causal!r}") from None
     sinks, slopes = options.get("sinks"), options.get("alibi_slopes")
     _check_inputs(
@@ -154,9 +165,12 @@ def _op_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     if window is not None:
         if not isinstance(window, (tuple, list)) or len(window) != 2:
             raise TypeError(f"window: expected a (left, right) pair of ints or None, got {window!r}")
-        for side in window:
-            if side is not None and (isinstance(side, bool) or not isinstance(side, int)):
-                raise TypeError(f"window: expected a (left, right) pair of ints or None, got {window!r}")
+        try:  # NumPy and torch integers too; the core checks the values
+            window = tuple(None if side is None else operator.index(side) for side in window)
+        except TypeError:
+            raise TypeError(f"window: expected a (left, right) pair of ints or None, got {window!r}") from None
+        if any(type(side) is bool for side in options["window"]):
+            raise TypeError(f"window: expected a (left, right) pair of ints or None, got {window!r}")
     if scale is not None:
         scale = float(scale)
         if not math.isfinite(scale):
@@ -240,7 +254,7 @@ def scaled_dot_product_attention(
 # -- sdpa_override ---------------------------------------------------------------------------------
 
 
-def _servable(query, key, value, attn_mask, dropout_p, scale, extra):
+def _servable(query, key, value, attn_mask, dropout_p, scale, enable_gqa, extra):
     """Whether pyattn computes this torch call exactly: CPU float tensors of one dtype, no dropout, no
     autograd, no argument pyattn does not know."""
     if extra or dropout_p != 0.0:
@@ -256,16 +270,36 @@ def _servable(query, key, value, attn_mask, dropout_p, scale, extra):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
-    if query.dim() < 2 or key.dim() < 2 or value.dim() < 2:
+    return _same_shape_rules(query, key, value, enable_gqa) and (scale is None or math.isfinite(scale))
+
+
+def _same_shape_rules(query, key, value, enable_gqa):
+    """Whether torch and pyattn read these shapes alike: the same rank, the same last dimensions,
+    batch axes that broadcast, and head counts equal or grouped (torch also broadcasts a single
+    head, and a lower-rank query over the heads, where pyattn raises or reads one head)."""
+    if not (query.dim() == key.dim() == value.dim() >= 2):
         return False
-    return scale is None or math.isfinite(scale)
+    if key.shape[-1] != query.shape[-1] or value.shape[-2] != key.shape[-2]:
+        return False
+    if query.dim() == 2:
+        return True
+    q_heads, kv_heads = query.shape[-3], key.shape[-3]
+    if value.shape[-3] != kv_heads or kv_heads == 0:
+        return False
+    if q_heads != kv_heads and not (enable_gqa and q_heads % kv_heads == 0):
+        return False
+    try:
+        torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
+    except RuntimeError:
+        return False
+    return True
 
 
 def _routed_sdpa(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, **extra
 ):
     """torch.nn.functional.scaled_dot_product_attention while sdpa_override is active."""
-    if not _servable(query, key, value, attn_mask, dropout_p, scale, extra):
+    if not _servable(query, key, value, attn_mask, dropout_p, scale, enable_gqa, extra):
         return _TORCH_SDPA(
             query,
             key,
