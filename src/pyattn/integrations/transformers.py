@@ -54,16 +54,29 @@ class MaskStructure:
         (batch, kv_len) bool, True at real tokens; None when nothing is padded.
     kv_length : int
         The key length the request was made for.
+    batch_size, q_length : int
+        The rest of the request's shape.
+    shape, ndim
+        (batch_size, 1, q_length, kv_length) and 4, the dense mask's: transformers reads them when a
+        mask made ahead (``generate`` with a static cache) is passed back to a model, which hands it
+        to the mask function again, and that returns it unchanged.
     """
 
-    __slots__ = ("causal", "window", "diagonal", "padding", "kv_length")
+    __slots__ = ("causal", "window", "diagonal", "padding", "kv_length", "batch_size", "q_length")
+    ndim = 4
 
-    def __init__(self, causal, window, diagonal, padding, kv_length):
+    def __init__(self, causal, window, diagonal, padding, kv_length, batch_size=1, q_length=1):
         self.causal = causal
         self.window = window
         self.diagonal = diagonal
         self.padding = padding
         self.kv_length = kv_length
+        self.batch_size = batch_size
+        self.q_length = q_length
+
+    @property
+    def shape(self):
+        return (self.batch_size, 1, self.q_length, self.kv_length)
 
     def __repr__(self):
         padded = "none" if self.padding is None else tuple(self.padding.shape)
@@ -124,7 +137,12 @@ def mask_function(
 ):
     """The ``"pyattn"`` entry of ``AttentionMaskInterface``: a :class:`MaskStructure` when the request
     is causal, bidirectional or a sliding window (with any padding), else transformers' dense boolean
-    mask of shape (batch, 1, q_length, kv_length)."""
+    mask of shape (batch, 1, q_length, kv_length). A MaskStructure passed in as ``attention_mask`` (one
+    made ahead by ``generate``) is returned as it is."""
+    if isinstance(attention_mask, MaskStructure):
+        return attention_mask
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask.to(torch.bool)  # a 2-D padding mask: 1 = token, 0 = padding
     pattern = _pattern(mask_function)
     q_offset, kv_offset = int(q_offset), int(kv_offset)
     if pattern is None:
@@ -143,11 +161,11 @@ def mask_function(
         )
     padding = _masking.prepare_padding_mask(attention_mask, kv_length, kv_offset)
     if padding is not None:
-        padding = padding[:, kv_offset : kv_offset + kv_length].to(torch.bool)
+        padding = padding[:, kv_offset : kv_offset + kv_length]
         if bool(padding.all()):
             padding = None
     causal, window = pattern
-    return MaskStructure(causal, window, q_offset - kv_offset, padding, int(kv_length))
+    return MaskStructure(causal, window, q_offset - kv_offset, padding, int(kv_length), batch_size, q_length)
 
 
 def _inference_only(module, dropout):
@@ -194,8 +212,13 @@ def attention_forward(
         causal, window, diagonal = structure.causal, structure.window, structure.diagonal
     elif attention_mask is not None:  # a dense 4-D mask: bool (True = attend) or additive float
         mask = attention_mask
-        if mask.dtype != torch.bool and mask.dtype != query.dtype:
+        if mask.dtype.is_floating_point and mask.dtype != query.dtype:
             mask = mask.to(query.dtype)
+        elif mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+            raise TypeError(
+                f"attention_mask: a 4-D mask must be bool (True = attend) or floating (added to the scores), "
+                f"got {mask.dtype}"
+            )
         causal = False
     else:  # no mask request (a model that builds none): the module's own rule, aligned with its cache
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
