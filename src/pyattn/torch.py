@@ -30,6 +30,11 @@ import torch
 from . import _core
 from ._arrays import as_array
 
+try:  # bfloat16 tensors are read through ml_dtypes: imported here, not inside a model's first forward
+    import ml_dtypes  # noqa: F401
+except ImportError:  # pragma: no cover - depends on the environment
+    pass
+
 __all__ = ["scaled_dot_product_attention", "sdpa_override"]
 
 _TORCH_SDPA = torch.nn.functional.scaled_dot_product_attention
@@ -47,8 +52,10 @@ def _output_shape(query, key, value):
             raise ValueError(f"{name}: expected at least 2 dimensions (..., L, E), got shape {tuple(t.shape)}")
     if max(query.dim(), key.dim(), value.dim()) == 2:
         return (query.shape[-2], value.shape[-1])
-    try:
-        lead = torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
+    lead = query.shape[:-3]
+    try:  # the common case, equal batch axes, without torch.broadcast_shapes' cost
+        if not (lead == key.shape[:-3] == value.shape[:-3]):
+            lead = torch.broadcast_shapes(lead, key.shape[:-3], value.shape[:-3])
     except RuntimeError:
         raise ValueError(
             "query, key and value: leading batch dimensions do not broadcast: "
