@@ -15,7 +15,8 @@ changes them, it prints a warning: unset them in the command (``env -u OPENBLAS_
 OPENBLAS_L2_SIZE python bench/bench_decode.py``).
 
 Shapes: B=1 with 32 query heads, 8 (GQA) or 32 (MHA) key/value heads, head_dim 128, and cache
-lengths S = 1k, 4k, 16k, 64k; plus B=8 at S=4k. Cache storage float32, float16 and bfloat16.
+lengths S = 1k, 4k, 16k, 64k; plus B=8 at S=4k. Cache storage float32, float16, bfloat16 and int8
+(int8 values with one float32 scale per token and head; its bytes include the scales).
 
 What is timed (the same work in every timed call): a KVCache with max_len = S is pre-filled once with
 S - 1 random tokens, then one more token is appended (untimed), so the last appended chunk is that one
@@ -79,9 +80,11 @@ which, and a row above 1e-3 or NaN makes the script exit with status 1. The JSON
 each peer's own error against the reference (torch_max_abs_err, numpy_max_abs_err) where it runs.
 numpy ms, torch ms = the peers' medians; numpy x, torch x = peer ms / pyattn ms (> 1: pyattn is
 faster); vs f32 = pyattn float32-cache ms / this row's
-ms (the speedup of 16-bit storage at the same length); bg = CPUs other processes kept busy while
-the shape ran (rows with bg > 0.2 are noisy; ``--wait-idle SECONDS`` waits for idle CPUs before each
-shape and redoes disturbed ones).
+ms (the speedup of 16-bit or int8 storage at the same length); f32 err = max |this row's output - the
+float32 cache's| on the same queries: what the storage's rounding (or int8 quantisation) costs,
+beside the kernel's own error in max err (against the reference on the stored values); bg = CPUs
+other processes kept busy while the shape ran (rows with bg > 0.2 are noisy; ``--wait-idle SECONDS``
+waits for idle CPUs before each shape and redoes disturbed ones).
 """
 
 from __future__ import annotations
@@ -125,7 +128,7 @@ from _common import (
 
 NUM_HEADS = 32
 HEAD_DIM = 128
-CACHE_DTYPES = ("float32", "float16", "bfloat16")
+CACHE_DTYPES = ("float32", "float16", "bfloat16", "int8")
 REFERENCE_MAX_TOKENS = 4096  # the float64 reference runs where batch * S <= this
 FILL_CHUNK = 4096  # tokens appended per call while pre-filling (bounds the temporary float32 chunk)
 WARMUP = 3
@@ -246,13 +249,26 @@ def time_reference(pyattn, q, cache, timing):
 COLD_READS = 7  # --cold: evicted plain reads of a row's K and V per measurement of its "read" ceiling
 
 
+def stored_arrays(cache) -> list:
+    """The arrays a step over the cache reads, as bytes: K and V (max_len == S: the whole storage),
+    and an int8 cache's row scales."""
+    arrays = [cache._k, cache._v]
+    if cache.dtype == np.int8:
+        arrays += [cache._k_scales, cache._v_scales]
+    return [a.reshape(-1).view(np.uint8) for a in arrays]
+
+
+def stored_bytes(cache) -> int:
+    return sum(a.nbytes for a in stored_arrays(cache))
+
+
 def kv_read_gbs(pyattn, cache, threads, flush=None) -> float:
     """A plain streaming read of the cache's K and V arrays (any dtype, ml_dtypes too), best of five.
     With flush (--cold), the median of COLD_READS reads, each after the eviction pass the timed calls
     get: the ceiling those calls face, these bytes from memory in one pass with the same start-up (the
     first misses of every thread) that a short step pays. A median, like the timed calls, because
     how much of the K/V an eviction pass leaves in the last-level cache varies from pass to pass."""
-    arrays = [cache.keys().view(np.uint8), cache.values().view(np.uint8)]
+    arrays = stored_arrays(cache)
     if flush is None:
         return float(machine(pyattn).read_buffers_gbs(arrays, threads))
     reads = []
@@ -329,7 +345,7 @@ def case_rows(pyattn, case: Case, args, bandwidth) -> list[dict]:
         # Again after: the kernel's khugepaged may have turned the arrays into huge pages meanwhile.
         read_gbs = max(read_before[name], kv_read_gbs(pyattn, cache, args.threads, args.flush))
         ms = t_pyattn.median * 1e3
-        nbytes = case.kv_bytes(cache.dtype.itemsize)
+        nbytes = stored_bytes(cache)
         gbs = nbytes / t_pyattn.median / 1e9
         row = {
             "case": case.name,
@@ -359,6 +375,12 @@ def case_rows(pyattn, case: Case, args, bandwidth) -> list[dict]:
             "err_vs": None,
             "torch_max_abs_err": None,
             "numpy_max_abs_err": None,
+            # The storage's own error: this row's output against the float32 cache's, same queries.
+            "vs_f32_err": None
+            if name == "float32"
+            else max_abs_diff(out, timed["float32"][1])
+            if "float32" in timed
+            else None,
             "fill_s": fill_s,
         }
         if name == "float32":
@@ -429,6 +451,7 @@ TABLE = Table(
         Column("torch ms", 8),
         Column("torch x", 7),
         Column("vs f32", 6),
+        Column("f32 err", 7),
         Column("ref ms", 7),
         Column("bg", 3),
     ]
@@ -452,6 +475,7 @@ def cells(row: dict) -> list[str]:
         fmt_ms(row["torch_ms"]),
         fmt(row["torch_vs_pyattn"], ".2f"),
         fmt(row["vs_f32_cache"], ".2f"),
+        fmt(row.get("vs_f32_err"), ".1e"),
         fmt_ms(row["reference_ms"]),
         fmt(row.get("background_cpus"), ".1f"),
     ]
@@ -605,7 +629,8 @@ def print_header(info: dict) -> None:
     )
     print(
         f"max err vs ref = float64 reference on the stored (rounded) K/V, where B*S <= {REFERENCE_MAX_TOKENS}; "
-        "else (float32 rows) vs torch, or numpy without torch; vs f32 = float32-cache ms / this ms"
+        "else (float32 rows) vs torch, or numpy without torch; vs f32 = float32-cache ms / this ms; "
+        "f32 err = max |out - float32 cache's out| (the storage's rounding or quantisation)"
     )
     print()
 

@@ -224,7 +224,7 @@ class Mistakes:
             args = dict(batch=B, num_kv_heads=hk, head_dim=d, max_len=self.max_len, value_dim=dv, dtype=self.storage)
             name = str(rng.choice(list(args)))
             if name == "dtype":
-                args["dtype"] = [np.int32, "int8", np.complex64, object, "float8"][int(rng.integers(0, 5))]
+                args["dtype"] = [np.int32, "int16", np.complex64, object, "float8"][int(rng.integers(0, 5))]
                 exc = TypeError
             else:
                 args[name] = [0, -1, 2.5, True, "3", None if name != "value_dim" else 0][int(rng.integers(0, 6))]

@@ -572,7 +572,8 @@ def test_cache_bfloat16_by_name_and_invalid_dtypes():
     if ml_dtypes is not None:
         assert pyattn.KVCache(1, 1, 4, 4, dtype="bfloat16").dtype == np.dtype(ml_dtypes.bfloat16)
         assert pyattn.KVCache(1, 1, 4, 4, dtype=ml_dtypes.bfloat16).dtype == np.dtype(ml_dtypes.bfloat16)
-    for bad in (np.int32, np.complex64, np.bool_, "int8"):
+    assert pyattn.KVCache(1, 1, 4, 4, dtype="int8").dtype == np.dtype(np.int8)  # quantised storage
+    for bad in (np.int32, np.complex64, np.bool_, "int16", np.uint8):
         with pytest.raises(TypeError, match="dtype"):
             pyattn.KVCache(1, 1, 4, 4, dtype=bad)
     # Big-endian storage names itself "float16"/"float32" too; the kernels would misread it (a

@@ -265,7 +265,8 @@ const int64_t* lengths_array(const char* name, const py::array& a, int64_t batch
 template <class T>
 void run_mha_cached(const py::array& x, const py::tuple& w, const std::vector<int64_t>& dims, py::array& k_cache,
                     py::array& v_cache, Storage storage, const py::array& before, const py::array& after,
-                    bool left_padded, py::array& out, int num_threads, const Variants& variants) {
+                    bool left_padded, py::array& out, int num_threads, const Variants& variants, py::handle k_scales,
+                    py::handle v_scales) {
   MhaCacheArgs<T> m;
   m.batch = dims[0];
   m.chunk = dims[1];
@@ -279,7 +280,9 @@ void run_mha_cached(const py::array& x, const py::tuple& w, const std::vector<in
   m.x = static_cast<const T*>(x.data());
   layer_weights<T>(w, m.embed_dim, kv_width, m.embed_dim, m.embed_dim, m.proj);
 
-  const py::dtype stored = storage == Storage::same ? py::dtype::of<T>() : py::dtype::of<uint16_t>();
+  const py::dtype stored = storage == Storage::same ? py::dtype::of<T>()
+                           : storage == Storage::i8 ? py::dtype::of<int8_t>()
+                                                    : py::dtype::of<uint16_t>();
   const std::vector<int64_t> ks = cache_array("k_cache", k_cache, stored, m.batch, m.num_kv_heads, m.head_dim);
   const std::vector<int64_t> vs = cache_array("v_cache", v_cache, stored, m.batch, m.num_kv_heads, m.head_dim);
   if (ks != vs || k_cache.shape(2) != v_cache.shape(2))
@@ -291,6 +294,21 @@ void run_mha_cached(const py::array& x, const py::tuple& w, const std::vector<in
   m.cache_stride_b = ks[0];
   m.cache_stride_h = ks[1];
   m.cache_stride_s = ks[2];
+  if (storage == Storage::i8) {  // (batch, num_kv_heads, max_len) float32 beside contiguous storage
+    const py::handle given[2] = {k_scales, v_scales};
+    float** dst[2] = {&m.k_scales, &m.v_scales};
+    for (int x = 0; x < 2; ++x) {
+      if (given[x].is_none()) fail("k/v scales: an int8 cache needs its row scales");
+      py::array sc = py::reinterpret_borrow<py::array>(given[x]);
+      if (!is_float32(sc) || sc.ndim() != 3 || sc.shape(0) != m.batch || sc.shape(1) != m.num_kv_heads ||
+          sc.shape(2) != max_len || !(sc.flags() & py::array::c_style) || !sc.writeable() || ks[2] != m.head_dim ||
+          ks[1] != max_len * m.head_dim || ks[0] != m.num_kv_heads * ks[1])
+        fail(
+            "k/v scales: expected writeable C-contiguous float32 (batch, num_kv_heads, max_len) scales beside "
+            "C-contiguous storage");
+      *dst[x] = static_cast<float*>(sc.mutable_data());
+    }
+  }
   m.lengths_before = lengths_array("lengths_before", before, m.batch);
   m.lengths_after = lengths_array("lengths_after", after, m.batch);
   for (int64_t b = 0; b < m.batch; ++b) {
@@ -309,18 +327,18 @@ void run_mha_cached(const py::array& x, const py::tuple& w, const std::vector<in
 void mha_cached_py(const py::array& x, const py::tuple& w, const std::vector<int64_t>& dims, py::array k_cache,
                    py::array v_cache, int storage, const py::array& before, const py::array& after, bool left_padded,
                    py::array out, py::handle num_threads, py::handle window, py::handle softcap, py::handle sinks,
-                   py::handle alibi_slopes) {
+                   py::handle alibi_slopes, py::handle k_scales, py::handle v_scales) {
   if (dims.size() != 6) fail("dims must have 6 entries");
-  if (storage < 0 || storage > 2) fail("storage must be 0 (same), 1 (float16) or 2 (bfloat16)");
+  if (storage < 0 || storage > 3) fail("storage must be 0 (same), 1 (float16), 2 (bfloat16) or 3 (int8)");
   const int threads = parse_threads(num_threads);
   const Variants variants = parse_variants(window, softcap, sinks, alibi_slopes, Dims{dims[0]}, dims[3]);
   if (is_float32(x))
     return run_mha_cached<float>(x, w, dims, k_cache, v_cache, Storage(storage), before, after, left_padded, out,
-                                 threads, variants);
-  if (storage != 0) fail("query: must be float32 with a float16/bfloat16 cache");
+                                 threads, variants, k_scales, v_scales);
+  if (storage != 0) fail("query: must be float32 with a 16-bit or int8 cache");
   if (is_float64(x))
     return run_mha_cached<double>(x, w, dims, k_cache, v_cache, Storage(storage), before, after, left_padded, out,
-                                  threads, variants);
+                                  threads, variants, k_scales, v_scales);
   fail("query: dtype must be float32 or float64");
 }
 
@@ -341,6 +359,7 @@ void bind_mha(py::module_& m) {
         py::arg("v_cache"), py::arg("storage"), py::arg("lengths_before"), py::arg("lengths_after"),
         py::arg("left_padded"), py::arg("out"), py::arg("num_threads"), py::arg("window") = py::none(),
         py::arg("softcap") = py::none(), py::arg("sinks") = py::none(), py::arg("alibi_slopes") = py::none(),
+        py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none(),
         "Low-level layer step over a KV cache (project, append, attend, project); arguments prepared by "
         "pyattn._mha and pyattn.KVCache.");
 }

@@ -4,6 +4,7 @@
 // sees it (cpu_info), the KV cache's storage placement (kv_storage_offset), and the one tuning
 // override for tests and benchmarks (_set_tuning). bind_runtime runs when the module loads.
 
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -13,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "binding_checks.h"
 #include "dispatch.h"
 #include "runtime.h"
 #include "tuning.h"
@@ -198,12 +200,37 @@ py::dict cpu_dict(const CpuInfo& c) {
   return d;
 }
 
+// KVCache.append into int8 storage: src (heads, n, dim) float32, C-contiguous; dst the storage's
+// (heads, n, dim) int8 view (rows contiguous within a head); scales its (heads, n) float32 view.
+void quantize_into(const py::array& src, const py::array& dst, const py::array& scales) {
+  if (!is_float32(src) || src.ndim() != 3 || !(src.flags() & py::array::c_style))
+    fail("quantize: src must be C-contiguous float32 (heads, n, dim)");
+  if (!same_dtype(dst.dtype(), py::dtype::of<int8_t>()) || dst.ndim() != 3 || !is_float32(scales) || scales.ndim() != 2)
+    fail("quantize: dst must be int8 (heads, n, dim) and scales float32 (heads, n)");
+  for (int x = 0; x < 2; ++x)
+    if (dst.shape(x) != src.shape(x) || scales.shape(x) != src.shape(x)) fail("quantize: shapes differ");
+  if (dst.shape(2) != src.shape(2)) fail("quantize: shapes differ");
+  const int64_t heads = src.shape(0), n = src.shape(1), dim = src.shape(2);
+  if (heads == 0 || n == 0) return;
+  if ((dim > 1 && dst.strides(2) != 1) || dst.strides(1) < dim || scales.strides(1) != int64_t(sizeof(float)) ||
+      !dst.writeable() || !scales.writeable())
+    fail("quantize: dst rows and scales must be contiguous and writeable");
+  const float* s = static_cast<const float*>(src.data());
+  int8_t* d = static_cast<int8_t*>(const_cast<void*>(dst.data()));
+  char* sc = static_cast<char*>(const_cast<void*>(scales.data()));
+  for (int64_t h = 0; h < heads; ++h)
+    quantize_int8(s + h * n * dim, n, dim, d + h * dst.strides(0), dst.strides(1),
+                  reinterpret_cast<float*>(sc + h * scales.strides(0)));
+}
+
 }  // namespace
 
 void bind_runtime(py::module_& m) {
   apply_env_isa();
   install_fork_guard();
   m.def("isa", []() { return std::string(active_isa()); }, "Name of the kernel ISA in use.");
+  m.def("quantize_int8", &quantize_into, py::arg("src"), py::arg("dst"), py::arg("scales"),
+        "Rows of src quantised to int8 into dst with one float32 scale per row (KVCache.append).");
   m.def("available_isas", &isa_list, "ISAs compiled into this build and supported by this CPU, worst to best.");
   m.def(
       "_set_isa",

@@ -222,6 +222,7 @@ struct Call {
   double scale = 1.0;
   const int64_t* kv_lens = nullptr;
   const int64_t* causal_offsets = nullptr;
+  py::array k_scales = no_array(), v_scales = no_array();  // int8 storage: float32 per row
   int threads = 0;
 };
 
@@ -266,6 +267,10 @@ void launch(const Call& c) {
   a.scale = c.scale;
   a.kv_lens = c.kv_lens;
   a.causal_offsets = c.causal_offsets;
+  if (c.kv_storage == Storage::i8) {
+    a.k_scales = static_cast<const float*>(c.k_scales.data());
+    a.v_scales = static_cast<const float*>(c.v_scales.data());
+  }
   if (!c.mask.is_none()) {
     const py::array m = py::reinterpret_borrow<py::array>(c.mask);
     MaskSlot& s = a.masks[0];
@@ -459,17 +464,20 @@ py::object sdpa(py::handle query, py::handle key, py::handle value, py::handle a
 
 // KVCache.attend: the queries (batch, num_heads, chunk, head_dim) of the chunk appended last, in the
 // cache's compute dtype, over its storage (batch, num_kv_heads, max_len, dim) (16-bit storage as
-// uint16 views, storage 1 = float16, 2 = bfloat16), kv_len keys long (the longest row), each batch
-// row b seeing its first lengths[b] keys with query i at position causal_offsets[b] + i.
+// uint16 views, storage 1 = float16, 2 = bfloat16; storage 3 = int8 with (batch, num_kv_heads,
+// max_len) float32 row scales), kv_len keys long (the longest row), each batch row b seeing its
+// first lengths[b] keys with query i at position causal_offsets[b] + i.
 py::object sdpa_cache(py::handle query, const py::array& k_store, const py::array& v_store, int storage, int64_t kv_len,
                       const py::array& lengths, const py::array& causal_offsets, py::handle scale,
                       py::handle num_threads, py::handle window, py::handle softcap, py::handle sinks,
-                      py::handle alibi_slopes, py::handle return_lse) {
-  if (storage < 0 || storage > 2) fail("storage must be 0 (same), 1 (float16) or 2 (bfloat16)");
+                      py::handle alibi_slopes, py::handle return_lse, py::handle k_scales, py::handle v_scales) {
+  if (storage < 0 || storage > 3) fail("storage must be 0 (same), 1 (float16), 2 (bfloat16) or 3 (int8)");
   const py::array q_in = float_input(query, "query");
   const FloatKind kind = float_kind(q_in.dtype());
-  const py::dtype stored = storage == 0 ? q_in.dtype() : py::dtype::of<uint16_t>();
-  if (storage != 0 && kind != FloatKind::f32) type_fail("query: must be float32 with a float16/bfloat16 cache");
+  const py::dtype stored = storage == 0   ? q_in.dtype()
+                           : storage == 3 ? py::dtype::of<int8_t>()
+                                          : py::dtype::of<uint16_t>();
+  if (storage != 0 && kind != FloatKind::f32) type_fail("query: must be float32 with a 16-bit or int8 cache");
   if (kind != FloatKind::f32 && kind != FloatKind::f64) type_fail("query: dtype must be float32 or float64");
   if (q_in.ndim() != 4) fail("query: expected (batch, num_heads, chunk, head_dim)");
   const int64_t batch = q_in.shape(0);
@@ -505,6 +513,20 @@ py::object sdpa_cache(py::handle query, const py::array& k_store, const py::arra
   c.kv_lens = len;
   c.causal_offsets = static_cast<const int64_t*>(causal_offsets.data());
   c.kv_storage = Storage(storage);
+  if (c.kv_storage == Storage::i8) {  // one float32 scale per stored row, in the storage's row order
+    const py::handle given[2] = {k_scales, v_scales};
+    py::array* dst[2] = {&c.k_scales, &c.v_scales};
+    const py::array* store[2] = {&k_store, &v_store};
+    for (int x = 0; x < 2; ++x) {
+      if (given[x].is_none()) fail("k/v scales: an int8 cache needs its row scales");
+      const py::array sc = py::reinterpret_borrow<py::array>(given[x]);
+      const py::array& st = *store[x];
+      if (!is_float32(sc) || sc.ndim() != 3 || sc.shape(0) != batch || sc.shape(1) != num_kv_heads ||
+          sc.shape(2) != st.shape(2) || !(sc.flags() & py::array::c_style) || !(st.flags() & py::array::c_style))
+        fail("k/v scales: expected C-contiguous float32 (batch, num_kv_heads, max_len) beside C-contiguous storage");
+      *dst[x] = sc;
+    }
+  }
   c.q = kernel_layout(q_in, true, "query");
   c.k = k_store;
   c.v = v_store;
@@ -667,7 +689,8 @@ void bind_sdpa(py::module_& m) {
   m.def("sdpa_cache", &sdpa_cache, py::arg("query"), py::arg("k_storage"), py::arg("v_storage"), py::arg("storage"),
         py::arg("kv_len"), py::arg("lengths"), py::arg("causal_offsets"), py::arg("scale"), py::arg("num_threads"),
         py::arg("window") = py::none(), py::arg("softcap") = py::none(), py::arg("sinks") = py::none(),
-        py::arg("alibi_slopes") = py::none(), py::arg("return_lse") = false,
+        py::arg("alibi_slopes") = py::none(), py::arg("return_lse") = false, py::arg("k_scales") = py::none(),
+        py::arg("v_scales") = py::none(),
         "KVCache.attend's attention over the cache's storage (arguments prepared by pyattn.KVCache).");
   m.def("varlen", &varlen, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("cu_seqlens_q"),
         py::arg("cu_seqlens_k"), py::arg("is_causal"), py::arg("scale"), py::arg("enable_gqa"), py::arg("out"),

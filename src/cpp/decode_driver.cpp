@@ -107,7 +107,8 @@ void attend_decode(const AttnArgs<T>& a, const KernelSet<T>& ks, const Tuning& t
   const bool whole_vectors = ks.decode_padded(a.head_dim) == a.head_dim && ks.decode_padded(a.value_dim) == a.value_dim;
   // The across-heads kernel knows masks and the causal limit only: calls with variants (window,
   // softcap, ALiBi, sinks) or return_lse take the head-by-head one.
-  if (interleaved && row_chunks == 1 && whole_vectors && plan.across_heads && !a.has_variants() && !a.lse)
+  if (interleaved && row_chunks == 1 && whole_vectors && plan.across_heads && !a.has_variants() && !a.lse &&
+      a.kv_storage != Storage::i8)
     return attend_decode_heads(a, ks, num_threads);
   // With a window the keys before every row's window are never read: the split covers the rest only
   // (from a whole block), so that no thread is left with chunks of nothing while another reads the

@@ -22,6 +22,7 @@
 
 #include "attention.h"
 #include "parallel.h"
+#include "runtime.h"
 
 namespace pyattn {
 namespace {
@@ -188,15 +189,24 @@ void multi_head_attention_cached(const MhaCacheArgs<T>& m, int num_threads) {
     kv_len = std::max(kv_len, m.lengths_after[b]);
     stored += count;
   }
-  const int64_t item = m.storage == Storage::same ? int64_t(sizeof(T)) : 2;
+  const int64_t item = m.storage == Storage::same ? int64_t(sizeof(T)) : m.storage == Storage::i8 ? 1 : 2;
   auto store_token = [&](int64_t r) {  // chunk row r = b * chunk + t, all its heads, K and V
     const int64_t b = r / m.chunk, t = r % m.chunk - first[size_t(b)];
     if (t < 0 || t >= m.lengths_after[b] - m.lengths_before[b]) return;  // padding of row b
     for (int64_t h = 0; h < m.num_kv_heads; ++h) {
-      const int64_t at =
-          (b * m.cache_stride_b + h * m.cache_stride_h + (m.lengths_before[b] + t) * m.cache_stride_s) * item;
-      store_row<T>(k + r * kv_width + h * dim, static_cast<char*>(m.k_cache) + at, dim, m.storage);
-      store_row<T>(v + r * kv_width + h * dim, static_cast<char*>(m.v_cache) + at, dim, m.storage);
+      const int64_t elem = b * m.cache_stride_b + h * m.cache_stride_h + (m.lengths_before[b] + t) * m.cache_stride_s;
+      if constexpr (std::is_same<T, float>::value) {
+        if (m.storage == Storage::i8) {  // as KVCache.append quantises (runtime.cpp)
+          const int64_t row = elem / m.cache_stride_s;
+          quantize_int8(k + r * kv_width + h * dim, 1, dim, static_cast<int8_t*>(m.k_cache) + elem, dim,
+                        m.k_scales + row);
+          quantize_int8(v + r * kv_width + h * dim, 1, dim, static_cast<int8_t*>(m.v_cache) + elem, dim,
+                        m.v_scales + row);
+          continue;
+        }
+      }
+      store_row<T>(k + r * kv_width + h * dim, static_cast<char*>(m.k_cache) + elem * item, dim, m.storage);
+      store_row<T>(v + r * kv_width + h * dim, static_cast<char*>(m.v_cache) + elem * item, dim, m.storage);
     }
   };
   const int threads = num_threads > 0 ? num_threads : default_num_threads();
@@ -209,6 +219,8 @@ void multi_head_attention_cached(const MhaCacheArgs<T>& m, int num_threads) {
                                           m.batch, m.chunk, kv_len, m.num_heads, m.num_kv_heads, dim, m.cache_stride_b,
                                           m.cache_stride_h, m.cache_stride_s, context, q_off, kv_off);
   a.kv_storage = m.storage;
+  a.k_scales = m.k_scales;
+  a.v_scales = m.v_scales;
   m.variants.apply(a, true, 0);  // each row's diagonal: causal_offsets
   a.kv_lens = m.lengths_after;
   a.causal_offsets = causal_offsets.data();

@@ -18,9 +18,10 @@ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 enum class MaskKind : int { none = 0, boolean = 1, additive = 2 };
 
-// How K and V are stored: in the compute type T, or as 16-bit floats (IEEE half or bfloat16) that
-// the kernels convert to float32 a block at a time.
-enum class Storage : int { same = 0, f16 = 1, bf16 = 2 };
+// How K and V are stored: in the compute type T, as 16-bit floats (IEEE half or bfloat16), or as
+// int8 with one float32 scale per row (a token of one head: x = scale * q); the kernels convert the
+// last three to float32 a block at a time.
+enum class Storage : int { same = 0, f16 = 1, bf16 = 2, i8 = 3 };
 
 // One mask operand, addressed as data + offset[bh] + i * stride_l + j * stride_s (elements; strides
 // may be 0 for broadcast axes, or negative). Boolean masks are uint8: nonzero = may attend, or,
@@ -124,6 +125,10 @@ struct AttnArgs {
   const int64_t* kv_lens = nullptr;
   const int64_t* causal_offsets = nullptr;
   Storage kv_storage = Storage::same;
+  // int8 storage: the scale of the K row at element offset o (a row's start) is k_scales[o /
+  // k_stride_s], and likewise for V; a cache's (batch, heads, max_len) scales for its rows.
+  const float* k_scales = nullptr;
+  const float* v_scales = nullptr;
 
   T* out_rows(int64_t bh) const { return out + (bh / num_heads) * out_stride_b + (bh % num_heads) * out_stride_h; }
   int64_t kv_len_of(int64_t bh) const { return kv_lens ? kv_lens[bh / num_heads] : kv_len; }
@@ -135,7 +140,12 @@ struct AttnArgs {
   bool has_variants() const { return mods_scores() || sinks != nullptr || windowed || upper_shift != 0; }
   T* lse_rows(int64_t bh) const { return lse + bh * lse_stride_bh; }
   // Bytes of one stored K/V element.
-  int64_t kv_item_bytes() const { return kv_storage == Storage::same ? int64_t(sizeof(T)) : 2; }
+  int64_t kv_item_bytes() const {
+    return kv_storage == Storage::same ? int64_t(sizeof(T)) : kv_storage == Storage::i8 ? 1 : 2;
+  }
+  // The scales of head bh's K (V) rows from key 0 on, or null when the storage has none.
+  const float* k_scales_of(int64_t bh) const { return k_scales ? k_scales + k_offset[bh] / k_stride_s : nullptr; }
+  const float* v_scales_of(int64_t bh) const { return v_scales ? v_scales + v_offset[bh] / v_stride_s : nullptr; }
   // Query rows that read each key/value head: its group's query heads times the query length.
   int64_t rows_per_kv_head() const { return group * q_len; }
   // Whether the rows of consecutive key/value heads interleave in memory: a (batch, seq, heads,
@@ -393,7 +403,8 @@ struct MhaArgs {
 // alignment (query i sees keys j <= i + lengths_before[b] - first[b], first[b] = the padding tokens
 // in front of row b's real ones); the output projection writes `out` (batch * chunk, embed_dim). The
 // cache is (batch, num_kv_heads, max_len, head_dim) for K and V alike, element strides cache_stride_*
-// (last axis contiguous); k_cache/v_cache hold uint16 bit patterns when storage is not `same`.
+// (last axis contiguous); k_cache/v_cache hold uint16 bit patterns for 16-bit storage, int8 values
+// for int8 storage, with the row at element offset o scaled by k_scales[o / cache_stride_s] (V alike).
 template <class T>
 struct MhaCacheArgs {
   const T* x = nullptr;
@@ -404,6 +415,8 @@ struct MhaCacheArgs {
   void* k_cache = nullptr;
   void* v_cache = nullptr;
   Storage storage = Storage::same;
+  float* k_scales = nullptr;
+  float* v_scales = nullptr;
   int64_t cache_stride_b = 0, cache_stride_h = 0, cache_stride_s = 0;
   const int64_t* lengths_before = nullptr;  // [batch]
   const int64_t* lengths_after = nullptr;   // [batch]

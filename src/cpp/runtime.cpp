@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <limits>
 
 #include "dispatch.h"
 #include "parallel.h"
@@ -89,6 +91,31 @@ void convert_half(const float* src, uint16_t* dst, int64_t n, int num_threads, b
   const KernelTable& kt = active_kernels();
   convert_parallel(src, dst, n, num_threads > 0 ? num_threads : default_num_threads(),
                    bfloat16 ? kt.float_to_bf16 : kt.float_to_half);
+}
+
+void quantize_int8(const float* src, int64_t rows, int64_t dim, int8_t* dst, int64_t dst_stride, float* scales) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = src + r * dim;
+    int8_t* q = dst + r * dst_stride;
+    float amax = 0.0f;
+    bool finite = true;
+    for (int64_t e = 0; e < dim; ++e) {
+      finite = finite && std::isfinite(x[e]);
+      amax = std::max(amax, std::fabs(x[e]));
+    }
+    if (!finite || amax == 0.0f) {
+      scales[r] = finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+      for (int64_t e = 0; e < dim; ++e) q[e] = 0;
+      continue;
+    }
+    scales[r] = amax / 127.0f;
+    // In double: 127 / amax overflows float for rows below 127 / FLT_MAX (subnormal ones included).
+    const double inv = 127.0 / double(amax);
+    for (int64_t e = 0; e < dim; ++e) {
+      const double v = std::nearbyint(double(x[e]) * inv);  // |x * inv| <= 127 up to rounding: clamp
+      q[e] = int8_t(std::min(127.0, std::max(-127.0, v)));
+    }
+  }
 }
 
 }  // namespace pyattn

@@ -23,4 +23,11 @@ const char* openmp_runtime();
 void convert_half(const uint16_t* src, float* dst, int64_t n, int num_threads, bool bfloat16 = false);
 void convert_half(const float* src, uint16_t* dst, int64_t n, int num_threads, bool bfloat16 = false);
 
+// int8 quantisation of `rows` rows of `dim` floats (src, contiguous): row r gets the scale
+// scales[r] = max |x| / 127 and dst[r * dst_stride + e] = round(x_e / scales[r]) (to nearest even,
+// within [-127, 127]); x = scale * q within scale / 2 (rows below 127 * 2^-126, whose scale is
+// subnormal and so rounded itself, within 127 * 2^-150 more). A zero row gets scale 0; a row holding Inf or
+// NaN gets a NaN scale (its values are lost: attention that reads it gives NaN, as it would have).
+void quantize_int8(const float* src, int64_t rows, int64_t dim, int8_t* dst, int64_t dst_stride, float* scales);
+
 }  // namespace pyattn

@@ -270,6 +270,10 @@ struct Simd<float> {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
   }
+  // lanes int8 values to float32 (exact).
+  static reg load_i8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
   // Two vectors' worth of bfloat16 (2 * lanes elements) in one load and two integer operations:
   // `even` gets elements 0, 2, 4, ... (each 32-bit lane's low half shifted up), `odd` 1, 3, 5, ...
   // (the high half kept in place). Half the work of two load_bf16, for callers that can take the
@@ -530,6 +534,9 @@ struct Simd<float> {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
+  static reg load_i8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
   static void load_bf16_pair(const uint16_t* p, reg& even, reg& odd) {  // as the AVX-512 flavour
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -683,6 +690,7 @@ struct Simd {
   static reg load_f16(const uint16_t* p) { return T(half_to_float(*p)); }
   static void store_f16(uint16_t* p, reg x) { *p = float_to_half(float(x)); }
   static reg load_bf16(const uint16_t* p) { return T(bf16_to_float(*p)); }
+  static reg load_i8(const int8_t* p) { return T(*p); }
   static void load_bf16_pair(const uint16_t* p, reg& even, reg& odd) {  // one lane: the natural order
     even = load_bf16(p);
     odd = load_bf16(p + 1);

@@ -92,6 +92,13 @@ inline simde__m512i cvtepu16_epi32(simde__m256i x) {
 inline simde__m512i cvtepu32_epi64(simde__m256i x) {
   return lanewise<simde__m512i, uint64_t, uint32_t, 8>(x, [](uint32_t v) { return uint64_t(v); });
 }
+// Sign extension of sixteen int8 to int32, and sixteen int32 to float32 (exact for int8 values).
+inline simde__m512i cvtepi8_epi32(simde__m128i x) {
+  return lanewise<simde__m512i, int32_t, int8_t, 16>(x, [](int8_t v) { return int32_t(v); });
+}
+inline simde__m512 cvtepi32_ps(simde__m512i x) {
+  return lanewise<simde__m512, float, int32_t, 16>(x, [](int32_t v) { return float(v); });
+}
 
 }  // namespace pyattn_emulate
 
@@ -104,5 +111,7 @@ inline simde__m512i cvtepu32_epi64(simde__m256i x) {
 #define _mm512_cvtepi32_epi16(x) pyattn_emulate::cvtepi32_epi16(x)
 #define _mm512_cvtepu16_epi32(x) pyattn_emulate::cvtepu16_epi32(x)
 #define _mm512_cvtepu32_epi64(x) pyattn_emulate::cvtepu32_epi64(x)
+#define _mm512_cvtepi8_epi32(x) pyattn_emulate::cvtepi8_epi32(x)
+#define _mm512_cvtepi32_ps(x) pyattn_emulate::cvtepi32_ps(x)
 #define _mm512_shuffle_f32x4(a, b, imm) simde_mm512_shuffle_f32x4((a), (b), (imm))
 #define _mm512_shuffle_f64x2(a, b, imm) simde_mm512_shuffle_f64x2((a), (b), (imm))

@@ -8,7 +8,10 @@ so prompts of different lengths need no padding mask: the attention of row b rea
 lengths[b] keys (the core takes per-row lengths and causal offsets; nothing is materialised).
 
 Storage may be float32, float64, float16 or bfloat16 (``ml_dtypes.bfloat16``); 16-bit storage halves
-the bytes a decode step streams, and the core converts it to float32 one block at a time.
+the bytes a decode step streams, and the core converts it to float32 one block at a time. int8
+storage halves them again: each stored row (one token of one head) keeps its values as int8 times
+one float32 scale, max |x| / 127, quantised on append (x within scale / 2 of its stored value) and
+converted back, scale applied, a block at a time by the kernels.
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ import numpy as np
 from . import _core
 from ._arrays import COMPUTE_DTYPES, allocate, as_array, is_half
 
-# The kernels' codes for 16-bit storage.
-_HALF_STORAGE = {"float16": 1, "bfloat16": 2}
+# The kernels' codes for converted storage: 16-bit floats, int8 with row scales.
+_HALF_STORAGE = {"float16": 1, "bfloat16": 2, "int8": 3}
 
 
 def _storage_dtype(dtype):
+    if isinstance(dtype, str) and dtype == "int8":
+        return np.dtype(np.int8)
     if isinstance(dtype, str) and dtype == "bfloat16":
         try:
             import ml_dtypes
@@ -34,9 +39,14 @@ def _storage_dtype(dtype):
     except TypeError:
         parsed = None
     # The dtypes scaled_dot_product_attention takes (native byte order: a big-endian float16 or
-    # float32 still calls itself "float16" / "float32", but the kernels read the CPU's own numbers).
+    # float32 still calls itself "float16" / "float32", but the kernels read the CPU's own numbers),
+    # and int8 (quantised storage).
+    if parsed == np.dtype(np.int8):
+        return parsed
     if parsed is None or (parsed not in COMPUTE_DTYPES and not is_half(parsed)):
-        raise TypeError(f"dtype: must be float32, float64, float16 or bfloat16 (native byte order), got {dtype!r}")
+        raise TypeError(
+            f"dtype: must be float32, float64, float16, bfloat16 (native byte order) or int8, got {dtype!r}"
+        )
     return parsed
 
 
@@ -95,8 +105,11 @@ class KVCache:
         written).
     value_dim : int, optional
         Features per value head; defaults to head_dim.
-    dtype : float32 (default), float64, float16 or bfloat16
-        Storage dtype. 16-bit caches are read by the core directly and computed in float32.
+    dtype : float32 (default), float64, float16, bfloat16 or "int8"
+        Storage dtype. 16-bit caches are read by the core directly and computed in float32. An int8
+        cache stores each token's row of each head as int8 values times one float32 scale (max |x|
+        / 127, so every value is kept within scale / 2; a row holding Inf or NaN is stored as NaN),
+        quantised on append and computed in float32: a quarter of float32's bytes per decode step.
 
     Attributes
     ----------
@@ -112,9 +125,14 @@ class KVCache:
         self.value_dim = self.head_dim if value_dim is None else _positive_int(value_dim, "value_dim")
         self.dtype = _storage_dtype(dtype)
         nbytes = self.batch * self.num_kv_heads * self.max_len * (self.head_dim + self.value_dim) * self.dtype.itemsize
+        rows = (self.batch, self.num_kv_heads, self.max_len)
         try:
-            self._k = _storage_zeros((self.batch, self.num_kv_heads, self.max_len, self.head_dim), self.dtype)
-            self._v = _storage_zeros((self.batch, self.num_kv_heads, self.max_len, self.value_dim), self.dtype)
+            self._k = _storage_zeros(rows + (self.head_dim,), self.dtype)
+            self._v = _storage_zeros(rows + (self.value_dim,), self.dtype)
+            # int8: one float32 scale per stored row (token and head); None otherwise.
+            int8 = self.dtype == np.int8
+            self._k_scales = allocate(rows, np.float32, "max_len", zero=True) if int8 else None
+            self._v_scales = allocate(rows, np.float32, "max_len", zero=True) if int8 else None
         except (MemoryError, ValueError):
             raise ValueError(f"max_len: a cache of {nbytes} bytes cannot be allocated") from None
         self.lengths = np.zeros(self.batch, np.int64)
@@ -129,11 +147,12 @@ class KVCache:
     _DERIVED = ("_half", "_compute", "_k_core", "_v_core", "_attend_key", "_attend_state")
 
     def _bind_storage(self):
-        self._half = _HALF_STORAGE.get(self.dtype.name, 0)  # the kernels' code for 16-bit storage
+        self._half = _HALF_STORAGE.get(self.dtype.name, 0)  # the kernels' code for converted storage
         self._compute = np.dtype(np.float32) if self._half else self.dtype  # what attention computes in
         # The storage as the core reads and writes it: 16-bit floats as their uint16 bit patterns.
-        self._k_core = self._k.view(np.uint16) if self._half else self._k
-        self._v_core = self._v.view(np.uint16) if self._half else self._v
+        converted = self._half in (1, 2)
+        self._k_core = self._k.view(np.uint16) if converted else self._k
+        self._v_core = self._v.view(np.uint16) if converted else self._v
         self._attend_key = None
         self._attend_state = None
 
@@ -150,6 +169,13 @@ class KVCache:
             fresh = _storage_zeros(stored.shape, self.dtype)
             fresh[...] = stored
             setattr(self, name, fresh)
+        for name in ("_k_scales", "_v_scales"):  # int8 scales (None otherwise; absent in older pickles)
+            stored = self.__dict__.get(name)
+            if stored is not None:
+                fresh = allocate(stored.shape, np.float32, "max_len")
+                fresh[...] = stored
+                stored = fresh
+            setattr(self, name, stored)
         # The per-row state too, so that even copy.copy gives a cache of its own (a shallow copy
         # sharing the lengths with separate storage: reset() on one would empty both).
         for name in ("lengths", "_last_new", "_last_first"):
@@ -201,10 +227,16 @@ class KVCache:
             if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
                 raise TypeError(f"{name}: expected a floating dtype, got {x.dtype}")
         before, counts, end = self._plan_append(num_new, chunk)
+        int8 = self._k_scales is not None
         for b in range(self.batch):
             n = int(counts[b])
             start = chunk - n if left_padded else 0
             pos = int(before[b])
+            if int8:  # quantised in the core, one scale per row
+                for src, dst, scales in ((k, self._k, self._k_scales), (v, self._v, self._v_scales)):
+                    rows = np.ascontiguousarray(src[b, :, start : start + n], dtype=np.float32)
+                    _core.quantize_int8(rows, dst[b, :, pos : pos + n], scales[b, :, pos : pos + n])
+                continue
             self._k[b, :, pos : pos + n] = k[b, :, start : start + n]
             self._v[b, :, pos : pos + n] = v[b, :, start : start + n]
         self._commit_append(counts, end, chunk, left_padded)
@@ -327,15 +359,21 @@ class KVCache:
             raise ValueError(f"row: rows have different lengths {lengths.tolist()}: pass a batch row")
         return storage[:, :, : int(lengths[0])]
 
+    def _dequantized(self, storage, scales, row):
+        if scales is None:
+            return self._filled(storage, row)
+        return self._filled(storage, row).astype(np.float32) * self._filled(scales[..., None], row)
+
     def keys(self, row=None):
         """View of the filled keys: (num_kv_heads, length, head_dim) of batch row `row`, or all rows
-        (batch, num_kv_heads, length, head_dim) when they have the same length."""
-        return self._filled(self._k, row)
+        (batch, num_kv_heads, length, head_dim) when they have the same length. An int8 cache gives
+        its values as float32 (stored int8 times the row's scale, a new array)."""
+        return self._dequantized(self._k, self._k_scales, row)
 
     def values(self, row=None):
         """View of the filled values of batch row `row` (or of all rows when `row` is None and they
         have the same length), like keys()."""
-        return self._filled(self._v, row)
+        return self._dequantized(self._v, self._v_scales, row)
 
     # -- attention ----------------------------------------------------------------------------------
     def _causal_state(self):
@@ -398,7 +436,7 @@ class KVCache:
         Returns
         -------
         out : ndarray, (batch, num_heads, chunk, value_dim)
-            float32 for 16-bit caches, else the cache dtype.
+            float32 for 16-bit and int8 caches, else the cache dtype.
         lse : ndarray, (batch, num_heads, chunk), only with return_lse=True
         """
         q = as_array(query, "query")
@@ -422,8 +460,16 @@ class KVCache:
                 raise TypeError(f"query: expected a floating dtype, got {q.dtype}")
             q = q.astype(self._compute)
         kv_len, lengths, causal_offsets = self._causal_state()
-        # Read in place by the kernels (16-bit storage converted to float32 a key block at a time).
-        if window is None and softcap is None and sinks is None and alibi_slopes is None and not return_lse:
+        # Read in place by the kernels (16-bit and int8 storage converted to float32 a key block at a
+        # time).
+        if (
+            window is None
+            and softcap is None
+            and sinks is None
+            and alibi_slopes is None
+            and not return_lse
+            and self._k_scales is None
+        ):
             return _core.sdpa_cache(
                 q, self._k_core, self._v_core, self._half, kv_len, lengths, causal_offsets, scale, num_threads
             )
@@ -442,11 +488,14 @@ class KVCache:
             sinks,
             alibi_slopes,
             return_lse,
+            self._k_scales,
+            self._v_scales,
         )
 
 
 def compute_dtype(cache):
-    """The dtype attention over `cache` computes in: float32 for 16-bit storage, else the storage's."""
+    """The dtype attention over `cache` computes in: float32 for 16-bit and int8 storage, else the
+    storage's."""
     return cache._compute
 
 
@@ -474,6 +523,8 @@ def layer_step(cache, rows, weights, dims, num_new, left_padded, out, num_thread
         out,
         num_threads,
         *variants,
+        cache._k_scales,
+        cache._v_scales,
     )
     cache._commit_append(counts, end, dims[1], left_padded)
 
@@ -502,4 +553,6 @@ def attend_from(cache, query, position, scale, softcap, num_threads):
         None,
         None,
         True,
+        cache._k_scales,
+        cache._v_scales,
     )
