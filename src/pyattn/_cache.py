@@ -10,7 +10,7 @@ lengths[b] keys (the core takes per-row lengths and causal offsets; nothing is m
 Storage may be float32, float64, float16 or bfloat16 (``ml_dtypes.bfloat16``); 16-bit storage halves
 the bytes a decode step streams, and the core converts it to float32 one block at a time. int8
 storage halves them again: each stored row (one token of one head) keeps its values as int8 times
-one float32 scale, max |x| / 127, quantised on append (x within scale / 2 of its stored value) and
+one float32 scale, max(abs(x)) / 127, quantised on append (x within scale / 2 of its stored value) and
 converted back, scale applied, a block at a time by the kernels.
 """
 
@@ -107,8 +107,9 @@ class KVCache:
         Features per value head; defaults to head_dim.
     dtype : float32 (default), float64, float16, bfloat16 or "int8"
         Storage dtype. 16-bit caches are read by the core directly and computed in float32. An int8
-        cache stores each token's row of each head as int8 values times one float32 scale (max |x|
-        / 127, so every value is kept within scale / 2; a row holding Inf or NaN is stored as NaN),
+        cache stores each token's row of each head as int8 values times one float32 scale
+        (``max(abs(x)) / 127``, so every value is kept within ``scale / 2``; a row holding Inf or NaN
+        is stored as NaN),
         quantised on append and computed in float32: a quarter of float32's bytes per decode step.
 
     Attributes

@@ -83,10 +83,15 @@ def sdpa_cache(
     softcap: Any = None,
     sinks: Any = None,
     alibi_slopes: Any = None,
-) -> np.ndarray:
+    return_lse: bool = False,
+    k_scales: np.ndarray | None = None,
+    v_scales: np.ndarray | None = None,
+) -> Any:
     """KVCache.attend: queries (batch, num_heads, chunk, head_dim) over the cache's storage (batch,
-    num_kv_heads, max_len, dim), 16-bit storage as uint16 views (storage 1 = float16, 2 = bfloat16);
-    row b sees its first lengths[b] keys, query i at position causal_offsets[b] + i."""
+    num_kv_heads, max_len, dim), 16-bit storage as uint16 views (storage 1 = float16, 2 = bfloat16),
+    storage 3 = int8 with (batch, num_kv_heads, max_len) float32 row scales k_scales / v_scales; row
+    b sees its first lengths[b] keys, query i at position causal_offsets[b] + i. return_lse: (out,
+    lse)."""
 
 def kernel_layout(x: np.ndarray, name: str, contiguous_last: bool = True) -> np.ndarray:
     """x itself when the kernels can read it through its strides, else a C-contiguous copy."""
@@ -144,6 +149,8 @@ def mha_cached(
     softcap: Any = None,
     sinks: Any = None,
     alibi_slopes: Any = None,
+    k_scales: np.ndarray | None = None,
+    v_scales: np.ndarray | None = None,
 ) -> None:
     """Low-level layer step over a KV cache; arguments prepared by pyattn._mha and pyattn.KVCache.
 
@@ -172,6 +179,11 @@ def _convert_half(src: np.ndarray, dst: np.ndarray, num_threads: int = 0, bfloat
     same size aligned to their element size, rounding to nearest even like NumPy's astype;
     TypeError/ValueError otherwise. bfloat16=True: bfloat16 bits, rounded like ml_dtypes' astype
     (to nearest even; NaN to the quiet NaN of its sign)."""
+
+def quantize_int8(src: np.ndarray, dst: np.ndarray, scales: np.ndarray) -> None:
+    """KVCache.append into int8 storage: src (heads, n, dim) C-contiguous float32 rows quantised into
+    dst (heads, n, dim) int8 with scales (heads, n) float32 = max |x| / 127 per row (NaN for a row
+    holding Inf or NaN, 0 for a zero row)."""
 
 def set_num_threads(n: int) -> None:
     """Default thread count; 0 restores OpenMP's default. ValueError when negative."""
