@@ -297,16 +297,16 @@ void run_mha_cached(const py::array& x, const py::tuple& w, const std::vector<in
   if (storage == Storage::i8) {  // (batch, num_kv_heads, max_len) float32 beside contiguous storage
     const py::handle given[2] = {k_scales, v_scales};
     float** dst[2] = {&m.k_scales, &m.v_scales};
-    for (int x = 0; x < 2; ++x) {
-      if (given[x].is_none()) fail("k/v scales: an int8 cache needs its row scales");
-      py::array sc = py::reinterpret_borrow<py::array>(given[x]);
+    for (int which = 0; which < 2; ++which) {
+      if (given[which].is_none()) fail("k/v scales: an int8 cache needs its row scales");
+      py::array sc = py::reinterpret_borrow<py::array>(given[which]);
       if (!is_float32(sc) || sc.ndim() != 3 || sc.shape(0) != m.batch || sc.shape(1) != m.num_kv_heads ||
           sc.shape(2) != max_len || !(sc.flags() & py::array::c_style) || !sc.writeable() || ks[2] != m.head_dim ||
           ks[1] != max_len * m.head_dim || ks[0] != m.num_kv_heads * ks[1])
         fail(
             "k/v scales: expected writeable C-contiguous float32 (batch, num_kv_heads, max_len) scales beside "
             "C-contiguous storage");
-      *dst[x] = static_cast<float*>(sc.mutable_data());
+      *dst[which] = static_cast<float*>(sc.mutable_data());
     }
   }
   m.lengths_before = lengths_array("lengths_before", before, m.batch);
