@@ -593,3 +593,21 @@ def test_integer_4d_mask_is_refused():
     assert weights is None and out.shape == (1, 3, 2, 8)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2)
     torch.testing.assert_close(out, expected)
+
+
+def test_compiled_model_matches_eager():
+    """torch.compile of a whole model with attn_implementation="pyattn" (graph breaks where the mask
+    function reads the padding as a Python value) gives eager's logits on a padded batch."""
+    model = build("mistral")
+    ids, mask = padded_batch()
+    expected = run(model, "eager", input_ids=ids, attention_mask=mask)
+    model.set_attn_implementation(NAME)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend="aot_eager")
+        with torch.no_grad():
+            got = output(compiled, input_ids=ids, attention_mask=mask)
+    finally:
+        torch._dynamo.reset()
+        model.set_attn_implementation("eager")
+    assert_close_at(got, expected, mask.bool())
