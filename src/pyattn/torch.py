@@ -65,11 +65,6 @@ def _output_shape(query, key, value):
     return (*lead, heads, query.shape[-2], value.shape[-1])
 
 
-def _numpy_view(t):
-    """A NumPy array sharing the memory of the CPU tensor t (bfloat16 through ml_dtypes)."""
-    return as_array(t, "out")
-
-
 def _per_head(t):
     """sinks / alibi_slopes (a few values per head, often a bf16 nn.Parameter) as float64 values."""
     return None if t is None else t.detach().to(torch.float64).numpy()
@@ -104,7 +99,7 @@ def _sdpa_impl(
         scale,
         enable_gqa,
         False,
-        _numpy_view(out),
+        as_array(out, "out"),  # the new tensor's memory: the core writes the result there
         num_threads,
         (window_left, window_right) if windowed else None,
         softcap,
@@ -116,8 +111,14 @@ def _sdpa_impl(
     return out
 
 
-# The operator torch.compile sees; the wrapper calls _sdpa_impl itself outside compilation.
+# The operator torch.compile sees; outside compilation _run calls _sdpa_impl itself.
 _sdpa_op = torch.library.custom_op("pyattn::sdpa", _sdpa_impl, mutates_args=(), device_types="cpu")
+
+
+def _run(args):
+    """The operator on its flat arguments (_op_arguments): through torch.ops under torch.compile, else
+    the implementation directly (the dispatch would only add overhead to every decode step)."""
+    return _sdpa_op(*args) if torch.compiler.is_compiling() else _sdpa_impl(*args)
 
 
 @_sdpa_op.register_fake
@@ -253,9 +254,7 @@ def scaled_dot_product_attention(
         ``torch.no_grad()``).
     """
     args = _op_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, pyattn_options)
-    if torch.compiler.is_compiling():
-        return _sdpa_op(*args)
-    return _sdpa_impl(*args)
+    return _run(args)
 
 
 # -- sdpa_override ---------------------------------------------------------------------------------

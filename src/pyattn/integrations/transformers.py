@@ -32,7 +32,7 @@ import transformers
 from transformers import AttentionInterface
 from transformers import masking_utils as _masking
 
-from ..torch import _op_arguments, _sdpa_impl, _sdpa_op
+from ..torch import _op_arguments, _run
 
 __all__ = ["register", "NAME", "MaskStructure"]
 
@@ -234,10 +234,7 @@ def attention_forward(
         options["sinks"] = s_aux
     gqa = query.shape[1] != key.shape[1]
     args = _op_arguments(query, key, value, mask, 0.0, causal, scaling, gqa, options, diagonal)
-    if torch.compiler.is_compiling():
-        out = _sdpa_op(*args)
-    else:
-        out = _sdpa_impl(*args)
+    out = _run(args)
     return out.transpose(1, 2).contiguous(), None
 
 
