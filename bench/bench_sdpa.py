@@ -6,8 +6,10 @@ Run (from the repository root, with pyattn installed in the interpreter's enviro
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_sdpa.py            # full suite
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_sdpa.py --quick    # smoke, < 30 s
     python bench/bench_sdpa.py --threads 1 --shapes 1x16x1024x64,decode --markdown --json out.json
+    python bench/bench_sdpa.py --dtype bfloat16 --quick                                # bfloat16 smoke
 
-What is measured, per (shape, variant) row, all in float32 with the same thread count everywhere:
+What is measured, per (shape, variant) row, all in float32 (``--dtype bfloat16``: see below) with the
+same thread count everywhere:
 
 * shapes: (B, H, L, D) self-attention with S = L keys, plus decode rows: one query (L = 1) against
   S = 4096 and 16384 keys (B=1, H=32, D=128); the first shape, 1x1x16x64, does almost no arithmetic
@@ -33,6 +35,21 @@ What is measured, per (shape, variant) row, all in float32 with the same thread 
   onnxruntime (ONNX ``Attention`` op, opset 23) when installed. Each peer shows its median ms and
   ``peer_ms / pyattn_ms`` (> 1: pyattn is faster).
 
+``--dtype bfloat16``: the same shapes and variants on ml_dtypes.bfloat16 inputs (drawn in float32 and
+rounded to bfloat16). Per row: pyattn with ``precision="fast"`` (the pyattn columns; with AVX512-BF16,
+ISA avx512bf16, Q.K and P.V are bfloat16 dot products, elsewhere it computes as "highest"), pyattn
+with ``precision="highest"`` (float32 compute) on the same inputs, timed in the same alternating
+blocks (``highest ms``, ``hi/fast`` = highest ms / fast ms, ``hi err``), and torch's SDPA on
+``torch.from_numpy(float32 values).to(torch.bfloat16)`` (the same values; the conversion is not
+timed). NumPy (no bfloat16 matmul) and onnxruntime (its CPU provider has no bfloat16 ``Attention``)
+are not run on bfloat16 rows: their float32 numbers are the default run's. Errors are against the
+float64 reference on the bfloat16 values, for pyattn (``max err``) and for torch's bfloat16 output
+(``torch err``); ``err/torch`` = max err / torch err (the accuracy target: <= 1.5). ``%peak`` of
+non-decode rows is of the bfloat16 dot-product peak (``pyattn._machine.dot16_peak_gflops``) when
+pyattn's ISA has one, else of the FMA peak; the header says which. A bfloat16 result is wrong (exit
+status 1) above BF16_ERR_ATOL + BF16_ERR_RTOL * max|reference| instead of WRONG_ANSWER_ERR: the
+output alone is rounded to bfloat16 (up to 2**-8 of its magnitude).
+
 FLOP count: 4 * B * H * D * (number of (query, key) pairs computed); a pair costs 2*D for q.k and 2*D
 for p*v. ``none`` and ``mask`` rows count all L*S pairs (a mask does not reduce the work credited);
 ``causal`` rows count only the allowed pairs (about half for L == S).
@@ -51,6 +68,7 @@ waits for idle CPUs before each row and redoes disturbed rows.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import platform
@@ -88,6 +106,19 @@ from _common import (
 )
 
 DTYPE = np.float32
+DTYPES = ("float32", "bfloat16")  # --dtype
+BF16_PEERS = ("torch",)  # the peers that run bfloat16 rows; why the others do not:
+BF16_NOT_RUN = {
+    "numpy": "NumPy has no bfloat16 matmul",
+    "onnxruntime": "onnxruntime's CPU provider has no bfloat16 Attention",
+    "ort-mha": "onnxruntime's CPU provider has no bfloat16 Attention",
+}
+# A bfloat16 row's result is wrong above BF16_ERR_ATOL + BF16_ERR_RTOL * max|reference| (on the rows
+# checked): twice the test suite's bounds for precision="fast" bfloat16 (tests/conftest.py TOL,
+# elementwise 6e-3 + 1.6e-2 * |reference|). Correct rows measure about 2**-8 * max|reference| (the
+# output's own rounding to bfloat16); a lost mask or a wrong head is far above.
+BF16_ERR_ATOL = 1.2e-2
+BF16_ERR_RTOL = 3.2e-2
 FULL_CHECK_MAX_SCORES = 1 << 23  # B*H*L*S above this: the error is checked on [:1, :1] only
 ROW_RETRIES = 2  # with --wait-idle: redo a row disturbed by other processes at most this often
 TIMING = TimingDefaults(min_time=0.3, min_runs=5, quick_min_runs=3)  # --min-time / --min-runs
@@ -207,9 +238,26 @@ def flop_count(case: Case, variant: str) -> int:
     return 4 * case.batch * case.num_heads * case.head_dim * allowed_pairs(case, variant)
 
 
-def kv_bytes(case: Case) -> int:
-    """Bytes of K and V (each read once by a streaming decode kernel)."""
-    return 2 * case.batch * case.num_heads * case.kv_len * case.head_dim * np.dtype(DTYPE).itemsize
+def kv_bytes(case: Case, itemsize: int = np.dtype(DTYPE).itemsize) -> int:
+    """Bytes of K and V (each read once by a streaming decode kernel), `itemsize` bytes per element."""
+    return 2 * case.batch * case.num_heads * case.kv_len * case.head_dim * itemsize
+
+
+def bfloat16_dtype() -> np.dtype:
+    """ml_dtypes' bfloat16 (imported only for --dtype bfloat16); exits with a message without it."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        sys.exit("bench_sdpa: --dtype bfloat16 needs ml_dtypes (pip install ml_dtypes)")
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def as_float64(x) -> np.ndarray:
+    """x's values in float64: a NumPy array of any float dtype (bfloat16 too) or a torch tensor (a
+    bfloat16 one has no NumPy dtype: it goes through float32, which holds its values exactly)."""
+    if not isinstance(x, np.ndarray) and hasattr(x, "numpy"):
+        x = x.float().numpy()
+    return np.asarray(x, dtype=np.float64)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,8 +274,10 @@ def make_numpy_peer(case, variant, q, k, v, mask, threads):
     return lambda: numpy_attention(q, k, v, allowed, scale)
 
 
-def make_torch_peer(case, variant, q, k, v, mask, threads):
-    """torch.nn.functional.scaled_dot_product_attention on zero-copy tensors, inference mode."""
+def make_torch_peer(case, variant, q, k, v, mask, threads, bfloat16=False):
+    """torch.nn.functional.scaled_dot_product_attention on zero-copy tensors, inference mode. With
+    bfloat16: q, k, v are float32 values converted by .to(torch.bfloat16) here, outside the timed
+    call, which returns torch's bfloat16 output tensor (as_float64 reads it afterwards)."""
     import torch
     import torch.nn.functional as F
 
@@ -235,6 +285,14 @@ def make_torch_peer(case, variant, q, k, v, mask, threads):
     tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
     tmask = None if mask is None else torch.from_numpy(mask)
     causal = peer_is_causal(case, variant)
+    if bfloat16:
+        tq, tk, tv = (t.to(torch.bfloat16) for t in (tq, tk, tv))
+
+        def run_bf16():
+            with torch.inference_mode():
+                return F.scaled_dot_product_attention(tq, tk, tv, attn_mask=tmask, is_causal=causal)
+
+        return run_bf16
 
     def run():
         with torch.inference_mode():
@@ -353,6 +411,37 @@ def detect_peers(wanted: list[str]) -> tuple[list[str], dict[str, str]]:
 
 
 # ----------------------------------------------------------------------------------------------
+# bfloat16 rows: ceiling and tolerance
+
+
+def measure_dot16_peak(pyattn, threads: int, quick: bool) -> tuple[float | None, str]:
+    """The bfloat16 dot-product (vdpbf16ps) peak of pyattn's ISA in GFLOP/s, and what it is or why
+    there is none: None when the ISA has no such instruction (only avx512bf16 has) or the build
+    predates pyattn._machine.dot16_peak_gflops."""
+    measure = getattr(machine(pyattn), "dot16_peak_gflops", None)
+    if measure is None:
+        return None, "pyattn._machine.dot16_peak_gflops missing"
+    try:
+        return float(measure(threads, 0.1 if quick else 0.5)), "vdpbf16ps, pyattn._machine.dot16_peak_gflops"
+    except ValueError:
+        return None, f"ISA {pyattn.get_isa()} has no bfloat16 dot product"
+
+
+def row_ceiling(case: Case, dtype: str, ceilings: dict) -> str:
+    """The ceiling a row's %peak is of: "dot16_peak_gflops" for bfloat16 rows when pyattn's ISA has a
+    bfloat16 dot product, except decode rows (precision="fast" computes few query rows as "highest"),
+    else "fma_peak_gflops"."""
+    if dtype == "bfloat16" and ceilings.get("dot16_peak_gflops") and not case.is_decode:
+        return "dot16_peak_gflops"
+    return "fma_peak_gflops"
+
+
+def bf16_err_tol(ref_max: float) -> float:
+    """The max abs error above which a bfloat16 row's result is wrong (BF16_ERR_ATOL, BF16_ERR_RTOL)."""
+    return BF16_ERR_ATOL + BF16_ERR_RTOL * ref_max
+
+
+# ----------------------------------------------------------------------------------------------
 # Machine description
 
 
@@ -377,6 +466,7 @@ def machine_info(pyattn, threads, versions, blas_threads, ceilings, busy, args) 
         "rounds": args.rounds,
         "seed": args.seed,
         "layout": args.layout,
+        "dtype": args.dtype,
     }
 
 
@@ -386,6 +476,8 @@ def print_header(info: dict, peers: list[str]) -> None:
     ceil = info["ceilings"]
     fma = ceil["fma_peak_gflops"]
     bw = ceil["read_bandwidth_gbs"]
+    half = info["dtype"] == "bfloat16"
+    dot16 = ceil.get("dot16_peak_gflops")
     print(f"pyattn bench_sdpa   {info['date']}")
     print(f"CPU: {info['cpu']} ({info['logical_cpus']} logical CPUs); threads, every library: {info['threads']}")
     print(
@@ -402,6 +494,8 @@ def print_header(info: dict, peers: list[str]) -> None:
         + (f"{fma:.1f} GFLOP/s" if fma else "n/a (pyattn._machine.fma_peak_gflops missing)")
         + ", read bandwidth "
         + (f"{bw:.1f} GB/s" if bw else "n/a (pyattn._machine.read_bandwidth_gbs missing)")
+        + ((", bfloat16 dot peak " + (f"{dot16:.1f} GFLOP/s" if dot16 else "n/a")) if half else "")
+        + (f" ({ceil['dot16_peak_note']})" if half else "")
     )
     for line in openblas_env_warnings():
         print(line)
@@ -410,9 +504,29 @@ def print_header(info: dict, peers: list[str]) -> None:
         print(f"background load before the run: {busy:.1f} of {info['logical_cpus']} CPUs busy")
         if busy > BUSY_WARN_CPUS:
             print("WARNING: other processes are using the CPUs; timings will be noisy and slow")
-    print("dtype float32; times in ms = median over runs (min ms = fastest run); warm-up excluded")
+    if half:
+        print(
+            "dtype bfloat16 (ml_dtypes): inputs drawn in float32 and rounded to bfloat16; pyattn ms = "
+            f"precision='fast', which on this ISA computes with: {rt.get('precision_fast', '?')}"
+        )
+        print(
+            "highest ms = pyattn precision='highest' (float32 compute) on the same inputs, timed in the same "
+            "alternating blocks; hi/fast = highest ms / pyattn ms (> 1: 'fast' is faster)"
+        )
+    print(f"dtype {info['dtype']}; times in ms = median over runs (min ms = fastest run); warm-up excluded")
     print("GFLOP/s = 4*B*H*D*pairs / time; none/mask rows count all L*S pairs, causal only allowed ones")
-    print("%peak = of the FMA peak measured right before and after the row (the higher; the machine drifts)")
+    if not half:
+        print("%peak = of the FMA peak measured right before and after the row (the higher; the machine drifts)")
+    elif dot16:
+        print(
+            "%peak = of the bfloat16 dot-product peak (vdpbf16ps) measured right before and after the row (the "
+            "higher); decode rows (L = 1: 'fast' computes few query rows as 'highest') of the FMA peak"
+        )
+    else:
+        print(
+            "%peak = of the float32 FMA peak measured right before and after the row (the higher): "
+            f"{ceil['dot16_peak_note']}, so 'fast' computes as 'highest' here"
+        )
     print(
         "GB/s (decode rows only) = bytes of K+V / time (mask rows: all of K+V, though the padding is not"
         " read); %bw = of the read bandwidth above; %rd = of a plain streaming read of the row's own K and V"
@@ -422,15 +536,35 @@ def print_header(info: dict, peers: list[str]) -> None:
         "bg = CPUs other processes kept busy during the row (machine busy time - this process's);"
         f" rows with bg > {BUSY_WARN_CPUS} are noisy"
     )
-    print(
-        f"max err = max|pyattn - pyattn.reference (float64)|; err on 'all' = whole output, "
-        f"'b0h0' = first batch & head only (inputs sliced) when B*H*L*S > {FULL_CHECK_MAX_SCORES}"
-    )
+    if half:
+        print(
+            "max err = max|pyattn 'fast' - pyattn.reference (float64, on the bfloat16 values)|; hi err = the same "
+            "for 'highest'; torch err = the same for torch's bfloat16 output; err/torch = max err / torch err "
+            "(the accuracy target: <= 1.5)"
+        )
+        print(
+            f"err on 'all' = whole output, 'b0h0' = first batch & head only (inputs sliced) when B*H*L*S > "
+            f"{FULL_CHECK_MAX_SCORES}; wrong result (exit status 1): max err or hi err > {BF16_ERR_ATOL:g} + "
+            f"{BF16_ERR_RTOL:g} * max|reference|"
+        )
+    else:
+        print(
+            f"max err = max|pyattn - pyattn.reference (float64)|; err on 'all' = whole output, "
+            f"'b0h0' = first batch & head only (inputs sliced) when B*H*L*S > {FULL_CHECK_MAX_SCORES}"
+        )
     if peers:
         print(
             f"peers: {', '.join(peers)}; '<peer> x' = peer ms / pyattn ms (> 1: pyattn faster); "
             "'vs best' = fastest peer ms / pyattn ms"
         )
+    if half:
+        if "torch" in peers:
+            print("torch: bfloat16 tensors, torch.from_numpy(float32 values).to(torch.bfloat16) (not timed)")
+        if info["peers_not_run"]:
+            why = "; ".join(dict.fromkeys(BF16_NOT_RUN[p] for p in info["peers_not_run"]))
+            print(
+                f"not run on bfloat16: {', '.join(info['peers_not_run'])} ({why}); their float32 rows: --dtype float32"
+            )
     print(
         "decode causal rows: pyattn is_causal='lower_right'; torch/onnxruntime is_causal=False "
         "(same for L=1: the query sees all S keys)"
@@ -442,8 +576,9 @@ def print_header(info: dict, peers: list[str]) -> None:
 # One row
 
 
-def reference_error(reference, q, k, v, mask, is_causal, out) -> tuple[float, str]:
-    """Max abs error of `out` against the float64 reference, on a slice for large rows."""
+def reference_errors(reference, q, k, v, mask, is_causal, outs: dict) -> tuple[dict[str, float], str, float]:
+    """Max abs error of each output in `outs` (name -> array or torch tensor) against the float64
+    reference on q, k, v's values, on a slice for large rows; also the scope and max|reference|."""
     b, h, q_len, _ = q.shape
     if b * h * q_len * k.shape[2] <= FULL_CHECK_MAX_SCORES:
         part, scope = (slice(None), slice(None)), "all"
@@ -452,34 +587,58 @@ def reference_error(reference, q, k, v, mask, is_causal, out) -> tuple[float, st
     ref = reference.scaled_dot_product_attention(
         *(x[part].astype(np.float64) for x in (q, k, v)), attn_mask=mask, is_causal=is_causal
     )
-    return float(np.max(np.abs(out[part].astype(np.float64) - ref))), scope
+    errors = {name: float(np.max(np.abs(as_float64(out[part]) - ref))) for name, out in outs.items()}
+    return errors, scope, float(np.max(np.abs(ref)))
 
 
-def run_row(pyattn, case, variant, inputs, mask, peers, args, ceilings) -> dict:
+def run_row(pyattn, case, variant, inputs, mask, peers, args, ceilings, peer_inputs=None) -> dict:
     """Time pyattn and every peer on one (case, variant) and return the row as a dict. The libraries
-    are timed in args.rounds alternating blocks (time_interleaved)."""
+    are timed in args.rounds alternating blocks (time_interleaved). With --dtype bfloat16, `inputs`
+    are the bfloat16 arrays, `peer_inputs` their float32 values (torch converts them itself), and
+    pyattn runs with precision "fast" (the row's pyattn entries) and "highest"."""
     q, k, v = inputs
+    half = args.dtype == "bfloat16"
     is_causal = pyattn_is_causal(case, variant)
     own_read = None
     if case.is_decode and hasattr(machine(pyattn), "read_buffers_gbs"):
         # The read ceiling of these very K/V pages (huge pages or not), measured just before the row.
         arrays = [np.ascontiguousarray(k).view(np.uint8), np.ascontiguousarray(v).view(np.uint8)]
         own_read = float(machine(pyattn).read_buffers_gbs(arrays, args.threads))
-    fns = {
-        "pyattn": lambda: pyattn.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, num_threads=args.threads
-        )
-    }
+    if half:
+        fns = {
+            name: functools.partial(
+                pyattn.scaled_dot_product_attention,
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                is_causal=is_causal,
+                num_threads=args.threads,
+                precision=precision,
+            )
+            for name, precision in (("pyattn", "fast"), ("highest", "highest"))
+        }
+    else:
+        fns = {
+            "pyattn": lambda: pyattn.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=is_causal, num_threads=args.threads
+            )
+        }
     peer_errors = {}
     for name in peers:
         try:
-            fns[name] = PEER_FACTORIES[name](case, variant, q, k, v, mask, args.threads)
+            if half:
+                fns[name] = make_torch_peer(case, variant, *peer_inputs, mask, args.threads, bfloat16=True)
+            else:
+                fns[name] = PEER_FACTORIES[name](case, variant, q, k, v, mask, args.threads)
         except Exception as exc:  # noqa: BLE001  (an optional peer must not stop the bench)
             peer_errors[name] = exc
     # The FMA peak right before and after the row (the higher one): on a shared VM the machine's speed
     # drifts by 20-40% within a run (a Zen 3 host measured 126-184 GFLOP/s at the start of three runs
     # on one morning), so %peak is taken against the row's own spell, like %rd for the decode rows.
-    measure_peak = getattr(machine(pyattn), "fma_peak_gflops", None)
+    # bfloat16 rows on an ISA with a bfloat16 dot product: that instruction's peak (row_ceiling).
+    ceiling = row_ceiling(case, args.dtype, ceilings)
+    measure_peak = getattr(machine(pyattn), ceiling, None)
     peak_seconds = 0.05 if args.quick else 0.15
     row_peak = [float(measure_peak(args.threads, peak_seconds))] if measure_peak else []
     timed = time_interleaved(
@@ -491,13 +650,18 @@ def run_row(pyattn, case, variant, inputs, mask, peers, args, ceilings) -> dict:
     )
     if measure_peak:
         row_peak.append(float(measure_peak(args.threads, peak_seconds)))
-    if isinstance(timed["pyattn"], Exception):
-        raise timed["pyattn"]
+    for name in ("pyattn", "highest"):
+        if isinstance(timed.get(name), Exception):
+            raise timed[name]
     t, out = timed["pyattn"]
-    err, err_scope = reference_error(pyattn.reference, q, k, v, mask, is_causal, out)
+    outs = {"pyattn": out}
+    if half:  # also the errors of "highest" and of the peers' bfloat16 outputs
+        outs.update((name, timed[name][1]) for name in ("highest", *peers) if isinstance(timed.get(name), tuple))
+    errors, err_scope, ref_max = reference_errors(pyattn.reference, q, k, v, mask, is_causal, outs)
+    err = errors["pyattn"]
     flops = flop_count(case, variant)
     gflops = flops / t.median / 1e9
-    fma = max(row_peak) if row_peak else ceilings["fma_peak_gflops"]
+    peak = max(row_peak) if row_peak else ceilings[ceiling]
     bw = ceilings["read_bandwidth_gbs"]
     row = {
         "case": case.name,
@@ -514,18 +678,43 @@ def run_row(pyattn, case, variant, inputs, mask, peers, args, ceilings) -> dict:
         "pyattn_min_ms": t.min * 1e3,
         "pyattn_runs": t.runs,
         "gflops": gflops,
-        "fma_peak_gflops": fma,
-        "pct_fma_peak": 100 * gflops / fma if fma else None,
-        "kv_gbs": kv_bytes(case) / t.median / 1e9 if case.is_decode else None,
+        "fma_peak_gflops": peak,
+        "pct_fma_peak": 100 * gflops / peak if peak else None,
+        "kv_gbs": kv_bytes(case, k.dtype.itemsize) / t.median / 1e9 if case.is_decode else None,
         "max_abs_err": err,
         "err_scope": err_scope,
         "peers": {},
     }
+    if half:
+        # The ceiling's own keys (a dot16 peak is not an FMA peak), the "highest" run and the errors.
+        del row["fma_peak_gflops"], row["pct_fma_peak"]
+        t_hi = timed["highest"][0]
+        row.update(
+            dtype=args.dtype,
+            precision="fast",
+            peak_ceiling=ceiling,
+            peak_gflops=peak,
+            pct_peak=100 * gflops / peak if peak else None,
+            highest_ms=t_hi.median * 1e3,
+            highest_min_ms=t_hi.min * 1e3,
+            highest_runs=t_hi.runs,
+            highest_vs_fast=t_hi.median / t.median,
+            highest_max_abs_err=errors["highest"],
+            ref_max_abs=ref_max,
+            err_tol=bf16_err_tol(ref_max),
+        )
     row["pct_read_bw"] = 100 * row["kv_gbs"] / bw if (bw and row["kv_gbs"]) else None
     row["own_read_gbs"] = own_read
     row["pct_own_read"] = 100 * row["kv_gbs"] / own_read if (own_read and row["kv_gbs"]) else None
     for name in peers:
-        peer = peer_result(name, case, variant, peer_errors.get(name) or timed[name], out)
+        timing = peer_errors.get(name) or timed[name]
+        if half:  # agreement within the row's tolerance; the peer's own error against the reference
+            peer = peer_result(name, case, variant, timing, as_float64(out), row["err_tol"])
+            if name in errors:
+                peer["max_abs_err"] = errors[name]
+                row[f"err_vs_{name}"] = err / errors[name] if errors[name] else None
+        else:
+            peer = peer_result(name, case, variant, timing, out)
         if "median_ms" in peer:
             peer["ratio"] = peer["median_ms"] / row["pyattn_ms"]
         row["peers"][name] = peer
@@ -536,7 +725,7 @@ def run_row(pyattn, case, variant, inputs, mask, peers, args, ceilings) -> dict:
     return row
 
 
-def run_row_guarded(pyattn, case, variant, inputs, mask, peers, args, ceilings) -> dict:
+def run_row_guarded(pyattn, case, variant, inputs, mask, peers, args, ceilings, peer_inputs=None) -> dict:
     """run_row() under a BackgroundLoad monitor. With --wait-idle, wait for idle CPUs first and
     redo a row that other processes disturbed (at most ROW_RETRIES times)."""
     attempts = 1 + (ROW_RETRIES if args.wait_idle > 0 else 0)
@@ -544,7 +733,7 @@ def run_row_guarded(pyattn, case, variant, inputs, mask, peers, args, ceilings) 
         if args.wait_idle > 0:
             wait_for_idle(args.wait_idle)
         with BackgroundLoad() as load:
-            row = run_row(pyattn, case, variant, inputs, mask, peers, args, ceilings)
+            row = run_row(pyattn, case, variant, inputs, mask, peers, args, ceilings, peer_inputs)
         row["background_cpus"], row["attempts"] = load.cpus, attempt
         if load.cpus is None or load.cpus <= BUSY_WARN_CPUS:
             break
@@ -556,16 +745,16 @@ def run_row_guarded(pyattn, case, variant, inputs, mask, peers, args, ceilings) 
     return row
 
 
-def peer_result(name, case, variant, timed, pyattn_out) -> dict:
-    """One peer's entry: its timing and agreement with pyattn, or the error that stopped it (a peer
-    that fails is reported, not fatal)."""
+def peer_result(name, case, variant, timed, pyattn_out, tol=PEER_AGREEMENT_TOL) -> dict:
+    """One peer's entry: its timing and agreement with pyattn (a difference above `tol` is noted), or
+    the error that stopped it (a peer that fails is reported, not fatal)."""
     if isinstance(timed, Exception):
         error = f"{type(timed).__name__}: {timed}"
         print(f"  note: peer {name} failed on {case.name}/{variant}: {error}", file=sys.stderr)
         return {"error": error}
     t, res = timed
-    diff = float(np.max(np.abs(np.asarray(res, dtype=np.float64) - pyattn_out)))
-    if not diff <= PEER_AGREEMENT_TOL:
+    diff = float(np.max(np.abs(as_float64(res) - pyattn_out)))
+    if not diff <= tol:
         print(f"  note: {name} differs from pyattn by {diff:.2e} on {case.name}/{variant}", file=sys.stderr)
     return {
         "median_ms": t.median * 1e3,
@@ -575,11 +764,23 @@ def peer_result(name, case, variant, timed, pyattn_out) -> dict:
     }
 
 
+def wrong_highest(rows: list[dict]) -> list[str]:
+    """bfloat16 rows whose precision="highest" result is above the row's err_tol (or NaN); the "fast"
+    result (max_abs_err) is checked by finish_run."""
+    return [
+        f"{r['case']} {r['variant']} precision='highest': max err {r['highest_max_abs_err']:.3g} "
+        f"(tolerance {r['err_tol']:.3g})"
+        for r in rows
+        if "highest_max_abs_err" in r and not r["highest_max_abs_err"] <= r["err_tol"]
+    ]
+
+
 # ----------------------------------------------------------------------------------------------
 # Table
 
 
-def make_table(peers: list[str]) -> Table:
+def make_table(peers: list[str], dtype: str = "float32") -> Table:
+    half = dtype == "bfloat16"
     cols = [
         Column("case", 18, right=False),
         Column("variant", 7, right=False),
@@ -592,8 +793,12 @@ def make_table(peers: list[str]) -> Table:
         Column("%rd", 4),
         Column("max err", 7),
         Column("err on", 6, right=False),
-        Column("bg", 3),
     ]
+    if half:
+        if "torch" in peers:
+            cols += [Column("torch err", 7), Column("err/torch", 5)]
+        cols += [Column("highest ms", 8), Column("hi/fast", 5), Column("hi err", 7)]
+    cols.append(Column("bg", 3))
     for name in peers:
         cols += [Column(f"{name} ms", 8), Column(f"{name} x", 5)]
     if peers:
@@ -601,21 +806,26 @@ def make_table(peers: list[str]) -> Table:
     return Table(cols)
 
 
-def row_cells(row: dict, peers: list[str]) -> list[str]:
+def row_cells(row: dict, peers: list[str], dtype: str = "float32") -> list[str]:
+    half = dtype == "bfloat16"
     cells = [
         row["case"],
         row["variant"],
         fmt_ms(row["pyattn_ms"]),
         fmt_ms(row["pyattn_min_ms"]),
         fmt(row["gflops"], ".1f"),
-        fmt(row["pct_fma_peak"], ".0f"),
+        fmt(row["pct_peak"] if half else row["pct_fma_peak"], ".0f"),
         fmt(row["kv_gbs"], ".1f"),
         fmt(row["pct_read_bw"], ".0f"),
         fmt(row.get("pct_own_read"), ".0f"),
         fmt(row["max_abs_err"], ".1e"),
         row["err_scope"],
-        fmt(row.get("background_cpus"), ".1f"),
     ]
+    if half:
+        if "torch" in peers:
+            cells += [fmt(row["peers"]["torch"].get("max_abs_err"), ".1e"), fmt(row.get("err_vs_torch"), ".2f")]
+        cells += [fmt_ms(row["highest_ms"]), fmt(row["highest_vs_fast"], ".2f"), fmt(row["highest_max_abs_err"], ".1e")]
+    cells.append(fmt(row.get("background_cpus"), ".1f"))
     for name in peers:
         p = row["peers"].get(name, {})
         cells += [fmt_ms(p.get("median_ms")), fmt(p.get("ratio"), ".2f")]
@@ -632,7 +842,7 @@ def row_cells(row: dict, peers: list[str]) -> list[str]:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Time pyattn.scaled_dot_product_attention against NumPy, PyTorch and onnxruntime "
-        "(float32, same thread count) on the DESIGN shape suite.",
+        "(float32, or bfloat16 with --dtype; same thread count) on the DESIGN shape suite.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
             ENVIRONMENT_HELP.format(script="bench/bench_sdpa.py") + f"\nshape names: {', '.join(c.name for c in SUITE)}"
@@ -661,6 +871,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="bhsd",
         help="how q, k, v are stored: (B, H, L, D) (default), or (B, L, H, D) viewed as (B, H, L, D) "
         "without a copy, for every library",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="input dtype (default %(default)s). bfloat16 (ml_dtypes): pyattn precision='fast' and 'highest' "
+        f"and the bfloat16 peers ({', '.join(BF16_PEERS)}); the others are not run",
     )
     add_common_arguments(
         parser,
@@ -699,29 +916,47 @@ def main(argv=None) -> int:
     cases = select_cases(args)
     if not cases:
         sys.exit("bench_sdpa: no shape matches --shapes")
+    bf16 = bfloat16_dtype() if args.dtype == "bfloat16" else None
     peers, versions = detect_peers(args.peers)
+    not_run = []
+    if bf16 is not None:
+        not_run = [p for p in peers if p not in BF16_PEERS]
+        peers = [p for p in peers if p in BF16_PEERS]
     args.blas_limit, blas_threads = blas_thread_limiter(args.threads)
     busy = wait_for_idle(args.wait_idle)  # before anything of ours runs
     ceilings = measure_ceilings(pyattn, args.threads, args.quick)
+    if bf16 is not None:
+        ceilings["dot16_peak_gflops"], ceilings["dot16_peak_note"] = measure_dot16_peak(
+            pyattn, args.threads, args.quick
+        )
     info = machine_info(pyattn, args.threads, versions, blas_threads, ceilings, busy, args)
+    if bf16 is not None:
+        info["peers_not_run"] = not_run
     print_header(info, peers)
 
-    table = make_table(peers)
+    table = make_table(peers, args.dtype)
     print(table.header(), flush=True)
     rng = np.random.default_rng(args.seed)
     rows = []
     for case in cases:
         inputs = make_inputs(case, rng, args.layout)
+        peer_inputs = None
+        if bf16 is not None:  # pyattn gets the bfloat16 arrays (same layout), torch their float32 values
+            peer_inputs, inputs = inputs, tuple(x.astype(bf16) for x in inputs)
         for variant in args.variants:
             mask = make_padding_mask(case.q_len, case.kv_len, rng) if variant == "mask" else None
-            row = run_row_guarded(pyattn, case, variant, inputs, mask, peers, args, ceilings)
+            row = run_row_guarded(pyattn, case, variant, inputs, mask, peers, args, ceilings, peer_inputs)
             rows.append(row)
-            print(table.add(row_cells(row, peers)), flush=True)
+            print(table.add(row_cells(row, peers, args.dtype)), flush=True)
 
     if args.markdown:
         print()
         print(table.markdown())
-    return finish_run(info, args.json, rows, f"{len(rows)} rows")
+    status = finish_run(info, args.json, rows, f"{len(rows)} rows")
+    bad = wrong_highest(rows)
+    for line in bad:
+        print(f"ERROR: wrong result: {line}", file=sys.stderr)
+    return 1 if bad or status else 0
 
 
 if __name__ == "__main__":

@@ -476,9 +476,20 @@ def test_machine_ceilings_take_only_isas_this_cpu_runs():
     # among pyattn.available_isas(); any other name is refused before a loop runs.
     for name in pyattn.available_isas():
         assert pyattn._machine.fma_peak_gflops(1, 0.001, isa=name) > 0
-    for bad in ("sse9", *(n for n in ("avx2", "avx512") if n not in pyattn.available_isas())):
+    for bad in ("sse9", *(n for n in ("avx2", "avx512", "avx512bf16") if n not in pyattn.available_isas())):
         with pytest.raises(ValueError, match="isa"):
             pyattn._machine.fma_peak_gflops(1, 0.001, isa=bad)
+        with pytest.raises(ValueError, match="isa"):
+            pyattn._machine.dot16_peak_gflops(1, 0.001, isa=bad)
+
+
+def test_machine_dot16_ceiling_only_where_the_isa_has_it():
+    for name in pyattn.available_isas():
+        if name == "avx512bf16":
+            assert pyattn._machine.dot16_peak_gflops(1, 0.001, isa=name) > 0
+        else:
+            with pytest.raises(ValueError, match="no bfloat16 dot product"):
+                pyattn._machine.dot16_peak_gflops(1, 0.001, isa=name)
 
 
 def test_show_config_prints(capsys):
@@ -501,8 +512,10 @@ def test_isa_fixture_follows_pyattn_isa(monkeypatch):
 def test_available_isas():
     isas = pyattn.available_isas()
     assert isas[0] == "generic"
-    assert set(isas) <= {"generic", "avx2", "avx512"}
+    assert set(isas) <= {"generic", "avx2", "avx512", "avx512bf16"}
     assert len(set(isas)) == len(isas)
+    # avx512bf16 is the avx512 kernels plus bfloat16 dot products: never without them
+    assert "avx512bf16" not in isas or "avx512" in isas
 
 
 def test_set_isa(isa):

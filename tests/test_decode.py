@@ -1477,6 +1477,8 @@ DECODE_MAX = pyattn._core.DECODE_MAX_Q_LEN
 rng = np.random.default_rng(7)
 names = ["float32", "float16"] + (["bfloat16"] if ml_dtypes is not None else [])
 tol = {"float32": (2e-5, 2e-6), "float16": (1e-3, 2e-5), "bfloat16": (8e-3, 2e-5)}
+if pyattn._core.bf16_dots():  # precision="fast" on the bfloat16 pair kernels: tests/conftest.py's bound
+    tol["bfloat16"] = (1.6e-2, 6e-3)
 closed = []
 
 

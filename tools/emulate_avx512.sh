@@ -3,8 +3,9 @@
 # Runs the AVX-512 kernels on a host without AVX-512: builds pyattn with PYATTN_EMULATE_AVX512 (the
 # AVX-512 body of simd.h compiled for AVX2 against SIMDe's portable AVX-512 intrinsics,
 # src/cpp/simd_emulate_avx512.h) into a scratch virtual environment and runs the test suite on the
-# "avx512" path. On a host with AVX-512 it does nothing: the normal suite already runs that path
-# natively (tests/conftest.py's isa fixture).
+# "avx512" path, and the precision tests on the "avx512bf16" path (AVX512-BF16's vdpbf16ps, SIMDe's
+# too). On a host with both it does nothing: the normal suite already runs them natively
+# (tests/conftest.py's isa fixture); on a host with AVX-512 only, it tests avx512bf16.
 #
 #   tools/emulate_avx512.sh                # the suite on the emulated path (~3 minutes on 2 cores, build included)
 #   tools/emulate_avx512.sh -k "gemm"      # extra arguments go to pytest
@@ -23,8 +24,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 
-if [[ -z ${FORCE:-} ]] && grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
-  echo "== emulate_avx512: this CPU has AVX-512; the main suite runs that path natively, nothing to do"
+# What the CPU runs natively: both paths (nothing to do), avx512 only (emulate avx512bf16), neither.
+native_avx512=
+if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then native_avx512=1; fi
+if [[ -z ${FORCE:-} && -n $native_avx512 ]] && grep -qw avx512_bf16 /proc/cpuinfo 2>/dev/null; then
+  echo "== emulate_avx512: this CPU has AVX-512 and AVX512-BF16; the main suite runs both natively, nothing to do"
   exit 0
 fi
 if [[ ! -e /usr/include/simde/x86/avx512.h ]]; then
@@ -67,7 +71,14 @@ assert "avx512" in pyattn.available_isas(), pyattn.available_isas()
 print("== emulate_avx512: isa", pyattn.runtime_info()["isa"], "of", pyattn.available_isas())
 EOF
 # PYATTN_ISA=avx512: the isa fixture then runs only that path, and every other test runs on it too.
-# EMULATE_TESTS: the test paths (default: the whole suite).
+# EMULATE_TESTS: the test paths (default: the whole suite). EMULATE_BF16_TESTS: the paths run on the
+# avx512bf16 kernels (the bfloat16 pair products of precision="fast"; default
+# tests/test_precision.py). On a CPU with AVX-512 only the second set runs.
+if [[ -z $native_avx512 || -n ${FORCE:-} ]]; then
+  # shellcheck disable=SC2086
+  PYATTN_ISA=avx512 "$venv_python" -m pytest -q -p no:cacheprovider ${EMULATE_TESTS:-tests} "$@"
+fi
+echo "== emulate_avx512: the avx512bf16 kernels"
 # shellcheck disable=SC2086
-PYATTN_ISA=avx512 "$venv_python" -m pytest -q -p no:cacheprovider ${EMULATE_TESTS:-tests} "$@"
+PYATTN_ISA=avx512bf16 "$venv_python" -m pytest -q -p no:cacheprovider ${EMULATE_BF16_TESTS:-tests/test_precision.py} "$@"
 echo "== emulate_avx512: done in $(( $(date +%s) - start )) s"

@@ -294,6 +294,15 @@ inline int parse_threads(py::handle obj) {
   return int(n);
 }
 
+// precision: "fast" (16-bit inputs may take bfloat16 dot products, AttnArgs::bf16_dots) or
+// "highest" (float32 products throughout); true for "fast".
+inline bool parse_precision(py::handle obj) {
+  if (!py::isinstance<py::str>(obj)) type_fail("precision: expected 'fast' or 'highest', got " + type_name(obj));
+  const std::string p = obj.cast<std::string>();
+  if (p != "fast" && p != "highest") fail("precision: expected 'fast' or 'highest', got '" + p + "'");
+  return p == "fast";
+}
+
 // is_causal: False, True / "upper_left" (query i sees keys j <= i), "lower_right" (j <= i + S - L).
 enum class Causal { none, upper_left, lower_right };
 

@@ -208,6 +208,7 @@ struct Call {
   // As the kernels read them (16-bit keys/values as uint16 views).
   py::array q = no_array(), k = no_array(), v = no_array();
   Storage kv_storage = Storage::same;
+  bool bf16_dots = false;        // precision "fast" (AttnArgs::bf16_dots)
   py::object mask = py::none();  // the mask the kernels read, or None
   int64_t mask_stride_l = 0, mask_stride_s = 0;
   py::array out = no_array();  // compute dtype, C-contiguous, element-aligned
@@ -257,6 +258,7 @@ void launch(const Call& c) {
   a.k = static_cast<const T*>(c.k.data());  // uint16 data when kv_storage != same (the kernels know)
   a.v = static_cast<const T*>(c.v.data());
   a.kv_storage = c.kv_storage;
+  a.bf16_dots = c.bf16_dots;
   a.q_offset = c.offsets.data();
   a.k_offset = c.offsets.data() + bh;
   a.v_offset = c.offsets.data() + 2 * bh;
@@ -350,12 +352,13 @@ void describe_mask(Call& c, py::array mask, FloatKind kind, const Dims& batch) {
 py::object sdpa(py::handle query, py::handle key, py::handle value, py::handle attn_mask, py::handle is_causal,
                 py::handle scale, py::handle enable_gqa, py::handle return_weights, py::handle out_obj,
                 py::handle num_threads, py::handle window, py::handle softcap, py::handle sinks,
-                py::handle alibi_slopes, py::handle return_lse, py::handle diagonal) {
+                py::handle alibi_slopes, py::handle return_lse, py::handle diagonal, py::handle precision) {
   const py::array q_in = float_input(query, "query"), k_in = float_input(key, "key"),
                   v_in = float_input(value, "value");
   const py::dtype dtype = q_in.dtype();
   const FloatKind kind = same_float_kind(q_in, k_in, v_in);
   Call c;
+  c.bf16_dots = parse_precision(precision);
   const bool want_lse = truthy(return_lse);
   c.threads = parse_threads(num_threads);
   const bool want_weights = truthy(return_weights);
@@ -547,6 +550,7 @@ struct Packed {
   py::array q = no_array(), k = no_array(), v = no_array(), out = no_array();
   py::object lse = py::none();  // return_lse: (Hq, total_q) in the compute dtype
   Storage kv_storage = Storage::same;
+  bool bf16_dots = false;  // precision "fast" (AttnArgs::bf16_dots)
   std::vector<int64_t> cu_q, cu_k;
   int64_t num_heads = 0, group = 1, head_dim = 0, value_dim = 0;
   bool causal = false, lower_right = false;
@@ -570,6 +574,7 @@ void launch_varlen(const Packed& c) {
   a.k = static_cast<const T*>(c.k.data());
   a.v = static_cast<const T*>(c.v.data());
   a.kv_storage = c.kv_storage;
+  a.bf16_dots = c.bf16_dots;
   a.q_offset = offsets.data();
   a.k_offset = offsets.data() + hq;
   a.v_offset = offsets.data() + 2 * hq;
@@ -603,7 +608,7 @@ void launch_varlen(const Packed& c) {
 py::object varlen(py::handle query, py::handle key, py::handle value, py::handle cu_seqlens_q, py::handle cu_seqlens_k,
                   py::handle is_causal, py::handle scale, py::handle enable_gqa, py::handle out_obj,
                   py::handle num_threads, py::handle window, py::handle softcap, py::handle sinks,
-                  py::handle alibi_slopes, py::handle return_lse) {
+                  py::handle alibi_slopes, py::handle return_lse, py::handle precision) {
   const py::array q_in = float_input(query, "query"), k_in = float_input(key, "key"),
                   v_in = float_input(value, "value");
   const py::dtype dtype = q_in.dtype();
@@ -612,6 +617,7 @@ py::object varlen(py::handle query, py::handle key, py::handle value, py::handle
     fail("query, key and value: expected packed (total_len, heads, dim) arrays, got shapes " +
          str_of(q_in.attr("shape")) + ", " + str_of(k_in.attr("shape")) + " and " + str_of(v_in.attr("shape")));
   Packed c;
+  c.bf16_dots = parse_precision(precision);
   c.threads = parse_threads(num_threads);
   c.num_heads = q_in.shape(1);
   c.head_dim = q_in.shape(2);
@@ -685,6 +691,7 @@ void bind_sdpa(py::module_& m) {
         py::arg("scale"), py::arg("enable_gqa"), py::arg("return_weights"), py::arg("out"), py::arg("num_threads"),
         py::arg("window") = py::none(), py::arg("softcap") = py::none(), py::arg("sinks") = py::none(),
         py::arg("alibi_slopes") = py::none(), py::arg("return_lse") = false, py::arg("diagonal") = py::none(),
+        py::arg("precision") = "fast",
         "pyattn.scaled_dot_product_attention on NumPy arrays: the whole contract (see its docstring).");
   m.def("sdpa_cache", &sdpa_cache, py::arg("query"), py::arg("k_storage"), py::arg("v_storage"), py::arg("storage"),
         py::arg("kv_len"), py::arg("lengths"), py::arg("causal_offsets"), py::arg("scale"), py::arg("num_threads"),
@@ -695,7 +702,7 @@ void bind_sdpa(py::module_& m) {
   m.def("varlen", &varlen, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("cu_seqlens_q"),
         py::arg("cu_seqlens_k"), py::arg("is_causal"), py::arg("scale"), py::arg("enable_gqa"), py::arg("out"),
         py::arg("num_threads"), py::arg("window"), py::arg("softcap"), py::arg("sinks"), py::arg("alibi_slopes"),
-        py::arg("return_lse") = false,
+        py::arg("return_lse") = false, py::arg("precision") = "fast",
         "pyattn.varlen_attention on NumPy arrays: the whole contract (see its docstring).");
 }
 

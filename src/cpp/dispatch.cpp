@@ -27,8 +27,9 @@ namespace pyattn {
 namespace {
 
 struct CpuFeatures {
-  bool avx2 = false;    // AVX2 + FMA + F16C, with YMM state enabled by the OS
-  bool avx512 = false;  // AVX-512F, with ZMM/opmask state enabled by the OS
+  bool avx2 = false;        // AVX2 + FMA + F16C, with YMM state enabled by the OS
+  bool avx512 = false;      // AVX-512F, with ZMM/opmask state enabled by the OS
+  bool avx512bf16 = false;  // + AVX512-BF16 (vdpbf16ps)
 };
 
 #if defined(PYATTN_X86)
@@ -75,8 +76,14 @@ CpuFeatures probe() {
   const bool avx2 = (r[1] >> 5) & 1, avx512f = (r[1] >> 16) & 1;
   f.avx2 = avx2 && fma && f16c && ymm_state;
   f.avx512 = f.avx2 && avx512f && zmm_state;
+  const unsigned subleaves = r[0];
+  if (subleaves >= 1) {
+    cpuid(7, 1, r);
+    f.avx512bf16 = f.avx512 && ((r[0] >> 5) & 1);
+  }
 #if defined(PYATTN_EMULATE_AVX512)
   f.avx512 = f.avx2;  // the AVX-512 body runs on SIMDe over AVX2 (test builds only, CMakeLists.txt)
+  f.avx512bf16 = f.avx2;
 #endif
 #endif
   return f;
@@ -99,6 +106,9 @@ const KernelTable* avx2_table() { return &avx2::kernel_table(); }
 #if defined(PYATTN_HAVE_AVX512)
 const KernelTable* avx512_table() { return &avx512::kernel_table(); }
 #endif
+#if defined(PYATTN_HAVE_AVX512BF16)
+const KernelTable* avx512bf16_table() { return &avx512bf16::kernel_table(); }
+#endif
 
 // Compiled ISAs, worst to best.
 const Entry kEntries[] = {
@@ -108,6 +118,9 @@ const Entry kEntries[] = {
 #endif
 #if defined(PYATTN_HAVE_AVX512)
     {"avx512", &avx512_table},
+#endif
+#if defined(PYATTN_HAVE_AVX512BF16)
+    {"avx512bf16", &avx512bf16_table},
 #endif
 };
 constexpr int kNumEntries = int(sizeof(kEntries) / sizeof(kEntries[0]));
@@ -134,6 +147,7 @@ bool cpu_supports(const char* name) {
   if (std::strcmp(name, "generic") == 0) return true;
   if (std::strcmp(name, "avx2") == 0) return features().avx2;
   if (std::strcmp(name, "avx512") == 0) return features().avx512;
+  if (std::strcmp(name, "avx512bf16") == 0) return features().avx512bf16;
   return false;
 }
 

@@ -21,6 +21,11 @@ namespace avx512 {
 const KernelTable& kernel_table();
 }
 #endif
+#if defined(PYATTN_HAVE_AVX512BF16)
+namespace avx512bf16 {
+const KernelTable& kernel_table();
+}
+#endif
 
 const KernelTable& active_kernels();
 

@@ -45,13 +45,21 @@ double fma_loop(int64_t iterations);
 uint64_t xor_bytes(const unsigned char* p, int64_t bytes);
 }  // namespace avx512
 #endif
+#if defined(PYATTN_HAVE_AVX512BF16)
+namespace avx512bf16 {
+double fma_loop(int64_t iterations);
+double dot16_loop(int64_t iterations);
+uint64_t xor_bytes(const unsigned char* p, int64_t bytes);
+}  // namespace avx512bf16
+#endif
 
 namespace {
 
-// One ISA's loops.
+// One ISA's loops (dot16_loop: the bfloat16 dot product's, where the ISA has one, else null).
 struct Loops {
   double (*fma_loop)(int64_t iterations);
   uint64_t (*xor_bytes)(const unsigned char* p, int64_t bytes);
+  double (*dot16_loop)(int64_t iterations) = nullptr;
 };
 
 // The loops of the ISA named `isa`, which the caller (bench/_common.py) takes from pyattn.get_isa(),
@@ -63,6 +71,9 @@ Loops loops_of(const std::string& isa) {
 #endif
 #if defined(PYATTN_HAVE_AVX512)
   if (isa == "avx512") return {&avx512::fma_loop, &avx512::xor_bytes};
+#endif
+#if defined(PYATTN_HAVE_AVX512BF16)
+  if (isa == "avx512bf16") return {&avx512bf16::fma_loop, &avx512bf16::xor_bytes, &avx512bf16::dot16_loop};
 #endif
   throw std::invalid_argument("isa: this build has no ISA '" + isa + "'");
 }
@@ -99,15 +110,15 @@ class HugeBuffer {
 
 }  // namespace
 
-// GFLOP/s of the FMA loop on num_threads threads for `seconds`.
-double fma_peak_gflops(const Loops& kt, int num_threads, double seconds) {
+// GFLOP/s of a register-only loop (Loops::fma_loop or dot16_loop) on num_threads threads for `seconds`.
+double peak_gflops(double (*loop)(int64_t), int num_threads, double seconds) {
   using clock = std::chrono::steady_clock;
   const int threads = std::max(1, num_threads);
   // Calibrate one call to about a millisecond so the loop dominates the clock reads.
   int64_t iters = 1 << 16;
   for (;;) {
     const auto t0 = clock::now();
-    kt.fma_loop(iters);
+    loop(iters);
     if (std::chrono::duration<double>(clock::now() - t0).count() > 1e-3 || iters > (int64_t(1) << 40)) break;
     iters *= 2;
   }
@@ -115,7 +126,7 @@ double fma_peak_gflops(const Loops& kt, int num_threads, double seconds) {
   const auto t0 = clock::now();
   parallel_for(threads, threads, [&](int64_t) {
     double mine = 0;
-    while (std::chrono::duration<double>(clock::now() - t0).count() < seconds) mine += kt.fma_loop(iters);
+    while (std::chrono::duration<double>(clock::now() - t0).count() < seconds) mine += loop(iters);
 #if defined(PYATTN_OPENMP)
 #pragma omp atomic
 #endif
@@ -204,10 +215,21 @@ PYBIND11_MODULE(_machine, m) {
       [](int threads, double seconds, const py::object& isa) {
         const Loops loops = loops_for(isa);
         py::gil_scoped_release release;
-        return pyattn::fma_peak_gflops(loops, threads, seconds);
+        return pyattn::peak_gflops(loops.fma_loop, threads, seconds);
       },
       py::arg("num_threads"), py::arg("seconds") = 0.5, py::arg("isa") = py::none(),
       "float32 FMA throughput of an ISA's register-only loop on num_threads threads, GFLOP/s.");
+  m.def(
+      "dot16_peak_gflops",
+      [](int threads, double seconds, const py::object& isa) {
+        const Loops loops = loops_for(isa);
+        if (!loops.dot16_loop) throw py::value_error("isa: this ISA has no bfloat16 dot product (avx512bf16 has)");
+        py::gil_scoped_release release;
+        return pyattn::peak_gflops(loops.dot16_loop, threads, seconds);
+      },
+      py::arg("num_threads"), py::arg("seconds") = 0.5, py::arg("isa") = py::none(),
+      "bfloat16 dot-product (vdpbf16ps) throughput of a register-only loop, GFLOP/s (2 flops per\n"
+      "multiply-add, as the float32 loop counts them); ValueError for an ISA without it.");
   m.def(
       "read_bandwidth_gbs",
       [](int threads, int64_t nbytes, const py::object& isa) {

@@ -125,6 +125,10 @@ struct AttnArgs {
   const int64_t* kv_lens = nullptr;
   const int64_t* causal_offsets = nullptr;
   Storage kv_storage = Storage::same;
+  // Precision "fast": 16-bit K/V may go through bfloat16 dot products (float32 accumulation, the
+  // softmax weights rounded to bfloat16 for P.V) where the kernels have them (tile_pairs.inc);
+  // false: float32 products throughout.
+  bool bf16_dots = false;
   // int8 storage: the scale of the K row at element offset o (a row's start) is k_scales[o /
   // k_stride_s], and likewise for V; a cache's (batch, heads, max_len) scales for its rows.
   const float* k_scales = nullptr;
@@ -349,6 +353,8 @@ struct KernelTable {
   // even, NaN to the quiet NaN of its sign).
   void (*bf16_to_float)(const uint16_t* src, float* dst, int64_t n);
   void (*float_to_bf16)(const float* src, uint16_t* dst, int64_t n);
+  // Whether f32.attend takes AttnArgs::bf16_dots (16-bit K/V in bfloat16 dot products).
+  bool bf16_dots;
 };
 
 // One projection of a multi-head attention layer: its weight packed by pack_weights for the active

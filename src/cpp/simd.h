@@ -707,6 +707,16 @@ struct Simd {
 
 #endif
 
+}  // namespace PYATTN_ISA_NS
+}  // namespace pyattn
+
+#if defined(PYATTN_SIMD_BF16)
+#include "simd_bf16.h"
+#endif
+
+namespace pyattn {
+namespace PYATTN_ISA_NS {
+
 // Bit x of the result is set when p[x * stride] != 0, for x < n <= 64 (mask bytes to bits; AVX2
 // compares 32 bytes at a time when they are contiguous, which the AVX-512 flavour also has).
 inline uint64_t nonzero_bits(const uint8_t* p, int64_t stride, int64_t n) {

@@ -87,7 +87,7 @@ def available_isas():
     Returns
     -------
     list of str
-        Worst to best, e.g. ``["generic", "avx2", "avx512"]``; any of them can be forced with the
+        Worst to best, e.g. ``["generic", "avx2", "avx512", "avx512bf16"]``; any of them can be forced with the
         ``PYATTN_ISA`` environment variable before import.
     """
     return list(_core.available_isas())
@@ -114,6 +114,8 @@ def runtime_info():
         ``flags`` (per-ISA compiler flags) and ``cpu``: a dict of the CPU as the kernels plan with
         it: vendor ("intel", "amd" or "unknown"), CPUID family and model, L1d / L2 / last-level
         cache bytes per core (0 where CPUID does not say), and whether AVX2 and AVX-512 are usable.
+        ``precision_fast`` says what ``precision="fast"`` (the default) computes 16-bit inputs with on
+        the ISA in use: ``"bfloat16 dot products"`` or ``"float32"`` (as ``"highest"``).
     """
     return {
         "version": __version__,
@@ -124,6 +126,7 @@ def runtime_info():
         "compiler": _core.compiler(),
         "flags": _core.isa_flags(),
         "cpu": _core.cpu_info(),
+        "precision_fast": "bfloat16 dot products" if _core.bf16_dots() else "float32",
     }
 
 

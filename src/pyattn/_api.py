@@ -30,6 +30,7 @@ def scaled_dot_product_attention(
     sinks=None,
     alibi_slopes=None,
     return_lse=False,
+    precision="fast",
 ):
     """Scaled dot-product attention, softmax(Q Kᵀ · scale + mask) V, computed by a fused kernel.
 
@@ -39,7 +40,7 @@ def scaled_dot_product_attention(
     key : ndarray, shape (..., Hk, S, E)
     value : ndarray, shape (..., Hk, S, Ev)
         float32, float64, float16 or bfloat16 (ml_dtypes), all the same dtype; 16-bit inputs are
-        computed in float32 and the result returned in their dtype. Leading batch dimensions
+        computed as `precision` says and the result returned in their dtype. Leading batch dimensions
         broadcast against each other. 2-D inputs (L, E) are one head; 3-D inputs are (heads, L, E). Any strides are read
         in place; an input whose last axis is not contiguous is copied first. PyTorch CPU tensors and any
         array with ``__dlpack__`` on the CPU (JAX, CuPy host arrays) are read without a copy; arrays on
@@ -83,6 +84,13 @@ def scaled_dot_product_attention(
         scaled-score domain after softcap, ALiBi and masks (a sink's term included), -inf for a row
         without an allowed key. Partial results over disjoint key sets merge exactly with
         :func:`merge_attention_states`.
+    precision : {"fast", "highest"}
+        How 16-bit inputs are computed (float32 and float64 always compute in their own precision).
+        "fast": bfloat16 inputs on CPUs with AVX512-BF16 (``pyattn.runtime_info()["precision_fast"]``)
+        take bfloat16 dot products with float32 sums for Q·Kᵀ and P·V, the softmax in float32 and
+        its weights rounded to bfloat16 for P·V; float16 inputs, other CPUs, return_weights and
+        few query rows compute as "highest". "highest": float32 products throughout.
+        Error bounds per dtype and precision: docs/design.md.
 
     Returns
     -------
@@ -109,7 +117,14 @@ def scaled_dot_product_attention(
         attn_mask = as_array(attn_mask, "attn_mask")
     if out is not None and type(out) is not ndarray:
         refuse_masked(out, "out")
-    if window is None and softcap is None and sinks is None and alibi_slopes is None and not return_lse:
+    if (
+        window is None
+        and softcap is None
+        and sinks is None
+        and alibi_slopes is None
+        and not return_lse
+        and precision == "fast"
+    ):
         return _core.sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa, return_weights, out, num_threads)
     return _core.sdpa(
         query,
@@ -127,6 +142,7 @@ def scaled_dot_product_attention(
         sinks,
         alibi_slopes,
         return_lse,
+        precision=precision,
     )
 
 
@@ -147,6 +163,7 @@ def varlen_attention(
     out=None,
     num_threads=None,
     return_lse=False,
+    precision="fast",
 ):
     """Attention over a packed batch of variable-length sequences (FlashAttention's varlen layout).
 
@@ -163,7 +180,7 @@ def varlen_attention(
         are read in place.
     cu_seqlens_q, cu_seqlens_k : array_like of int, shape (batch + 1,)
         Prefix sums of the sequence lengths: start at 0, non-decreasing, end at total_q / total_k.
-    is_causal, window, softcap, sinks, scale, enable_gqa, num_threads
+    is_causal, window, softcap, sinks, scale, enable_gqa, num_threads, precision
         As in :func:`scaled_dot_product_attention`, applied to each sequence on its own (the causal
         alignment and d(i) use that sequence's L and S).
     alibi_slopes : array_like, shape (Hq,), optional
@@ -204,6 +221,7 @@ def varlen_attention(
         sinks,
         alibi_slopes,
         return_lse,
+        precision,
     )
 
 

@@ -48,6 +48,9 @@ def sdpa(
     softcap: Any = None,
     sinks: Any = None,
     alibi_slopes: Any = None,
+    return_lse: Any = False,
+    diagonal: Any = None,
+    precision: Any = "fast",
 ) -> Any:
     """pyattn.scaled_dot_product_attention on NumPy arrays (the whole contract: see its docstring)."""
 
@@ -66,7 +69,9 @@ def varlen(
     softcap: Any,
     sinks: Any,
     alibi_slopes: Any,
-) -> np.ndarray:
+    return_lse: Any = False,
+    precision: Any = "fast",
+) -> Any:
     """pyattn.varlen_attention on NumPy arrays (the whole contract: see its docstring)."""
 
 def sdpa_cache(
@@ -163,6 +168,9 @@ def mha_cached(
 
 def isa() -> str:
     """Name of the kernel ISA in use."""
+
+def bf16_dots() -> bool:
+    """Whether the ISA in use computes 16-bit inputs with bfloat16 dot products under precision='fast'."""
 
 def available_isas() -> list[str]:
     """ISAs compiled into this build and supported by this CPU, worst to best."""

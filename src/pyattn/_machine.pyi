@@ -10,6 +10,10 @@ def fma_peak_gflops(num_threads: int, seconds: float = 0.5, isa: str | None = No
     """float32 FMA throughput of an ISA's register-only loop on num_threads threads, GFLOP/s (isa None:
     the ISA pyattn runs, pyattn.get_isa(); one this CPU does not run raises ValueError)."""
 
+def dot16_peak_gflops(num_threads: int, seconds: float = 0.5, isa: str | None = None) -> float:
+    """bfloat16 dot-product (vdpbf16ps) throughput of a register-only loop, GFLOP/s; ValueError for an
+    ISA without it (only avx512bf16 has one)."""
+
 def read_bandwidth_gbs(num_threads: int, nbytes: int = 1073741824, isa: str | None = None) -> float:
     """Streaming read bandwidth of a fresh buffer, GB/s (best of 5)."""
 
