@@ -749,3 +749,26 @@ def test_override_leaves_head_broadcasting_to_torch(rng):
     with pt.sdpa_override():
         got = F.scaled_dot_product_attention(q, k, v)
     torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("precision", ["fast", "highest"])
+def test_precision_passes_through(rng, isa, precision):
+    """precision= reaches the core: the tensors' result is the NumPy API's, bit for bit, for bfloat16
+    tensors large enough for the query tiles (where "fast" may take bfloat16 dot products)."""
+    import ml_dtypes
+
+    import pyattn
+
+    q, k, v = make_qkv(rng, "bfloat16", q_len=70, kv_len=90)
+    got = pt.scaled_dot_product_attention(q, k, v, is_causal=True, precision=precision)
+    as_np = [x.float().numpy().astype(ml_dtypes.bfloat16) for x in (q, k, v)]
+    want = pyattn.scaled_dot_product_attention(*as_np, is_causal=True, precision=precision)
+    np.testing.assert_array_equal(got.view(torch.int16).numpy(), want.view(np.int16))
+
+
+def test_precision_errors(rng):
+    q, k, v = make_qkv(rng, "bfloat16")
+    with pytest.raises(TypeError, match="precision"):
+        pt.scaled_dot_product_attention(q, k, v, precision=1)
+    with pytest.raises(ValueError, match="precision: expected 'fast' or 'highest'"):
+        pt.scaled_dot_product_attention(q, k, v, precision="low")

@@ -5,9 +5,10 @@ Imported only when asked for (``import pyattn.torch``); ``import pyattn`` never 
 
 - :func:`scaled_dot_product_attention` takes and returns CPU tensors with the arguments and semantics
   of ``torch.nn.functional.scaled_dot_product_attention``, plus pyattn's options (``window``,
-  ``softcap``, ``sinks``, ``alibi_slopes``, ``is_causal="lower_right"``, ``num_threads``). Inputs are
-  read in place through their strides (NumPy views of the tensors' memory, the same conversion as
-  pyattn's NumPy API); the output is a fresh tensor that the core writes directly.
+  ``softcap``, ``sinks``, ``alibi_slopes``, ``is_causal="lower_right"``, ``num_threads``,
+  ``precision``). Inputs are read in place through their strides (NumPy views of the tensors' memory,
+  the same conversion as pyattn's NumPy API); the output is a fresh tensor that the core writes
+  directly.
 - The computation is the operator ``torch.ops.pyattn.sdpa`` (``torch.library.custom_op``) with a
   fake implementation, so ``torch.compile(fullgraph=True)`` traces calls to it without a graph
   break. Outside compilation the wrapper calls the implementation directly: the operator dispatch
@@ -40,7 +41,7 @@ __all__ = ["scaled_dot_product_attention", "sdpa_override"]
 _TORCH_SDPA = torch.nn.functional.scaled_dot_product_attention
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _CAUSAL = {False: "none", True: "upper_left", "upper_left": "upper_left", "lower_right": "lower_right"}
-_OPTIONS = ("window", "softcap", "sinks", "alibi_slopes", "num_threads")
+_OPTIONS = ("window", "softcap", "sinks", "alibi_slopes", "num_threads", "precision")
 
 
 def _output_shape(query, key, value):
@@ -86,6 +87,7 @@ def _sdpa_impl(
     alibi_slopes: Optional[torch.Tensor],
     diagonal: Optional[int],
     num_threads: Optional[int],
+    precision: str,
 ) -> torch.Tensor:
     """pyattn.scaled_dot_product_attention on CPU tensors, into a fresh output tensor."""
     out = torch.empty(_output_shape(query, key, value), dtype=query.dtype)
@@ -107,6 +109,7 @@ def _sdpa_impl(
         _per_head(alibi_slopes),
         False,
         diagonal,
+        precision,
     )
     return out
 
@@ -184,6 +187,9 @@ def _op_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         if not math.isfinite(scale):
             raise ValueError(f"scale: must be finite, got {scale}")
     softcap = options.get("softcap")
+    precision = options.get("precision", "fast")
+    if not isinstance(precision, str):  # the value is the core's to check
+        raise TypeError(f"precision: expected 'fast' or 'highest', got {type(precision).__name__}")
     return (
         query,
         key,
@@ -200,6 +206,7 @@ def _op_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         slopes,
         None if diagonal is None else int(diagonal),
         options.get("num_threads"),
+        precision,
     )
 
 
@@ -236,7 +243,8 @@ def scaled_dot_product_attention(
         Hq a multiple of Hk; key/value heads are shared without copies.
     **pyattn_options
         ``window=(left, right)``, ``softcap=``, ``sinks=`` (tensor (Hq,)), ``alibi_slopes=``
-        (tensor (Hq,) or (..., Hq)), ``num_threads=``: see :func:`pyattn.scaled_dot_product_attention`.
+        (tensor (Hq,) or (..., Hq)), ``num_threads=``, ``precision=`` ("fast", the default, or
+        "highest": how bfloat16 tensors are computed): see :func:`pyattn.scaled_dot_product_attention`.
 
     Returns
     -------
