@@ -121,7 +121,8 @@ def test_mha_and_explain_take_tensors_that_require_grad(rng):
     explained = pyattn.explain(x[0], {**weights, "num_heads": 4})
     rtol, atol = tol(np.float32)
     np.testing.assert_allclose(explained.output, expected[0], rtol=rtol, atol=atol)
-    with pytest.raises(TypeError, match="^query: dtype must be float32 or float64, got bfloat16"):
+    # a bfloat16 input with float32 weights: one dtype for the layer, never a silent promotion
+    with pytest.raises(TypeError, match="^in_proj_weight: dtype must be bfloat16 .*got float32"):
         pyattn.mha(
             x.bfloat16(),
             num_heads=4,

@@ -33,5 +33,8 @@ template <class T>
 void pack_weights(const KernelSet<T>& ks, const T* w, int64_t w_stride, int64_t n, int64_t k, T* packed);
 template <class T>
 void linear(const GemmArgs<T>& g, int num_threads);
+// A bfloat16 (n, k) weight (uint16 bits, rows w_stride apart) packed in pairs of k into panels of
+// `panel` columns (GemmArgs::packed16).
+void pack_weights16(const uint16_t* w, int64_t w_stride, int64_t n, int64_t k, int64_t panel, uint32_t* packed);
 
 }  // namespace pyattn

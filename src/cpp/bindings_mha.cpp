@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "attention.h"
@@ -49,6 +50,28 @@ py::tuple pack_weights_py(const py::array& w) {
   if (is_float32(w)) return py::make_tuple(pack_weights_t<float>(w), active_set<float>().gemm_panel);
   if (is_float64(w)) return py::make_tuple(pack_weights_t<double>(w), active_set<double>().gemm_panel);
   fail("weight: dtype must be float32 or float64");
+}
+
+// A bfloat16 (n, k) weight (its uint16 view) packed in pairs of k for the avx512bf16 GEMM
+// (GemmArgs::packed16); returns (packed, panel). Refused where the ISA in use has no bfloat16 dot
+// products: the packing is for that GEMM only.
+py::tuple pack_weights16_py(const py::array& w) {
+  if (!active_kernels().bf16_dots) fail("pack_weights16: the ISA in use has no bfloat16 dot products");
+  if (w.ndim() != 2 || !same_dtype(w.dtype(), py::dtype::of<uint16_t>()))
+    fail("weight: expected a 2-D uint16 view of a bfloat16 (out_features, in_features) weight");
+  const int64_t n = w.shape(0), k = w.shape(1), panel = active_set<float>().gemm_panel;
+  check_aligned("weight", w);
+  if (w.size() > 0 && k > 1 && w.strides(1) != 2) fail("weight: last axis must be contiguous");
+  py::array_t<uint32_t> packed =
+      array_on_line(py::dtype::of<uint32_t>(), Dims{packed_elems(n, (k + 1) / 2, panel)}, "packed weight");
+  const uint16_t* src = static_cast<const uint16_t*>(w.data());
+  uint32_t* dst = packed.mutable_data();
+  const int64_t w_stride = n > 1 ? w.strides(0) / 2 : 0;
+  {
+    py::gil_scoped_release release;
+    pack_weights16(src, w_stride, n, k, panel, dst);
+  }
+  return py::make_tuple(packed, panel);
 }
 
 // A row matrix input (rows, cols) of the MHA: 2-D, dtype T, last axis contiguous; returns its row stride.
@@ -147,12 +170,34 @@ void check_layer_dims(const std::vector<int64_t>& dims, int64_t num_heads, int64
     fail("num_heads * head_dim must equal embed_dim");
 }
 
+// A bfloat16 layer's projection: its weight from pack_weights16 (n, k), a float32 bias.
+Projection<float> projection16(const char* name, const py::object& weight, const char* bias_name,
+                               const py::object& bias, int64_t n, int64_t k) {
+  Projection<float> p;
+  const py::array w = weight.cast<py::array>();
+  if (!same_dtype(w.dtype(), py::dtype::of<uint32_t>()) || w.ndim() != 1 || !(w.flags() & py::array::c_style) ||
+      w.size() != packed_elems(n, (k + 1) / 2, active_set<float>().gemm_panel))
+    fail(std::string(name) + ": packed bfloat16 weight does not match its shape or the active ISA; pack it again");
+  p.packed16 = static_cast<const uint32_t*>(w.data());
+  p.bias = optional_bias<float>(bias_name, bias, n);
+  return p;
+}
+
 // The layer's weights tuple (q, k, v, out projections, each packed or not, then their optional
-// biases), checked against the shapes.
+// biases), checked against the shapes; a bfloat16 layer's (bf16) packed in pairs.
 template <class T>
 void layer_weights(const py::tuple& w, int64_t embed_dim, int64_t kv_width, int64_t kdim, int64_t vdim,
-                   LayerWeights<T>& m) {
+                   LayerWeights<T>& m, bool bf16 = false) {
   if (w.size() != 8) fail("weights must be a tuple of 8 entries");
+  if constexpr (std::is_same<T, float>::value) {
+    if (bf16) {
+      m.q = projection16("q_proj_weight", w[0], "q_proj_bias", w[4], embed_dim, embed_dim);
+      m.k = projection16("k_proj_weight", w[1], "k_proj_bias", w[5], kv_width, kdim);
+      m.v = projection16("v_proj_weight", w[2], "v_proj_bias", w[6], kv_width, vdim);
+      m.o = projection16("out_proj_weight", w[3], "out_proj_bias", w[7], embed_dim, embed_dim);
+      return;
+    }
+  }
   m.q = projection<T>("q_proj_weight", w[0], "q_proj_bias", w[4], embed_dim, embed_dim);
   m.k = projection<T>("k_proj_weight", w[1], "k_proj_bias", w[5], kv_width, kdim);
   m.v = projection<T>("v_proj_weight", w[2], "v_proj_bias", w[6], kv_width, vdim);
@@ -163,8 +208,9 @@ template <class T>
 void run_mha(const py::array& xq, const py::array& xk, const py::array& xv, const py::tuple& w,
              const std::vector<int64_t>& dims, const py::list& masks, Causal causal, py::array& out,
              const py::object& weights_obj, int num_threads, const Variants& variants,
-             const std::vector<int64_t>& cu_seqlens) {
+             const std::vector<int64_t>& cu_seqlens, bool bf16 = false) {
   MhaArgs<T> m;
+  m.bf16 = bf16;
   m.batch = dims[0];
   m.q_len = dims[1];
   m.kv_len = dims[2];
@@ -176,14 +222,16 @@ void run_mha(const py::array& xq, const py::array& xk, const py::array& xv, cons
   m.head_dim = dims[8];
   check_layer_dims(dims, m.num_heads, m.num_kv_heads, m.head_dim, m.embed_dim);
   const int64_t q_rows = checked_mul(m.batch, m.q_len), kv_rows = checked_mul(m.batch, m.kv_len);
-  m.xq_stride = row_matrix<T>("query", xq, q_rows, m.embed_dim);
-  m.xk_stride = row_matrix<T>("key", xk, kv_rows, m.kdim);
-  m.xv_stride = row_matrix<T>("value", xv, kv_rows, m.vdim);
+  // A bfloat16 layer's inputs: uint16 views of its bfloat16 rows (read as such by the pair GEMM).
+  m.xq_stride =
+      bf16 ? row_matrix<uint16_t>("query", xq, q_rows, m.embed_dim) : row_matrix<T>("query", xq, q_rows, m.embed_dim);
+  m.xk_stride = bf16 ? row_matrix<uint16_t>("key", xk, kv_rows, m.kdim) : row_matrix<T>("key", xk, kv_rows, m.kdim);
+  m.xv_stride = bf16 ? row_matrix<uint16_t>("value", xv, kv_rows, m.vdim) : row_matrix<T>("value", xv, kv_rows, m.vdim);
   m.xq = static_cast<const T*>(xq.data());
   m.xk = static_cast<const T*>(xk.data());
   m.xv = static_cast<const T*>(xv.data());
   const int64_t kv_width = checked_mul(m.num_kv_heads, m.head_dim);
-  layer_weights<T>(w, m.embed_dim, kv_width, m.kdim, m.vdim, m.proj);
+  layer_weights<T>(w, m.embed_dim, kv_width, m.kdim, m.vdim, m.proj, bf16);
 
   const int64_t batch_heads = checked_mul(m.batch, m.num_heads);
   if (masks.size() > 2) fail("at most two masks");
@@ -222,13 +270,17 @@ void run_mha(const py::array& xq, const py::array& xk, const py::array& xv, cons
 void mha_py(const py::array& xq, const py::array& xk, const py::array& xv, const py::tuple& w,
             const std::vector<int64_t>& dims, const py::list& masks, py::handle is_causal, py::array out,
             const py::object& weights, py::handle num_threads, py::handle window, py::handle softcap, py::handle sinks,
-            py::handle alibi_slopes, py::handle cu_seqlens) {
+            py::handle alibi_slopes, py::handle cu_seqlens, bool bf16) {
   if (dims.size() != 9) fail("dims must have 9 entries");
   const Causal causal = parse_causal(is_causal);
   const int threads = parse_threads(num_threads);
   const Variants variants = parse_variants(window, softcap, sinks, alibi_slopes, Dims{dims[0]}, dims[6]);
   const std::vector<int64_t> cu =
       cu_seqlens.is_none() ? std::vector<int64_t>{} : parse_cu_seqlens(cu_seqlens, "cu_seqlens", dims[1]);
+  if (bf16) {  // uint16 views of bfloat16 inputs, weights from pack_weights16, float32 out and weights
+    if (!active_kernels().bf16_dots) fail("bf16: the ISA in use has no bfloat16 dot products");
+    return run_mha<float>(xq, xk, xv, w, dims, masks, causal, out, weights, threads, variants, cu, true);
+  }
   if (is_float32(xq)) return run_mha<float>(xq, xk, xv, w, dims, masks, causal, out, weights, threads, variants, cu);
   if (is_float64(xq)) return run_mha<double>(xq, xk, xv, w, dims, masks, causal, out, weights, threads, variants, cu);
   fail("query: dtype must be float32 or float64");
@@ -353,8 +405,11 @@ void bind_mha(py::module_& m) {
   m.def("mha", &mha_py, py::arg("xq"), py::arg("xk"), py::arg("xv"), py::arg("weights"), py::arg("dims"),
         py::arg("masks"), py::arg("is_causal"), py::arg("out"), py::arg("attn_weights"), py::arg("num_threads"),
         py::arg("window") = py::none(), py::arg("softcap") = py::none(), py::arg("sinks") = py::none(),
-        py::arg("alibi_slopes") = py::none(), py::arg("cu_seqlens") = py::none(),
-        "Low-level multi-head attention entry; arguments prepared by pyattn._mha.");
+        py::arg("alibi_slopes") = py::none(), py::arg("cu_seqlens") = py::none(), py::arg("bf16") = false,
+        "Low-level multi-head attention entry; arguments prepared by pyattn._mha (bf16: a bfloat16 layer's\n"
+        "uint16 inputs and pack_weights16 weights, float32 out).");
+  m.def("pack_weights16", &pack_weights16_py, py::arg("weight"),
+        "Pack a bfloat16 weight's uint16 view in pairs for the avx512bf16 GEMM; returns (packed, panel).");
   m.def("mha_cached", &mha_cached_py, py::arg("x"), py::arg("weights"), py::arg("dims"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("storage"), py::arg("lengths_before"), py::arg("lengths_after"),
         py::arg("left_padded"), py::arg("out"), py::arg("num_threads"), py::arg("window") = py::none(),

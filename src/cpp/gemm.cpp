@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
-// The GEMM driver of the linear layers: weight packing (panel by panel, gemm.inc) and the threaded
-// loop over output tiles.
+// The GEMM driver of the linear layers: weight packing (panel by panel, gemm.inc; a bfloat16
+// layer's in pairs of k, pack_weights16) and the threaded loop over output tiles.
 //
 // Tasks are (block of rows, weight panel) pairs, row-block major, so a thread that takes consecutive
 // panels of one row block keeps those A rows in its L2. A weight not packed beforehand is packed
@@ -40,6 +40,23 @@ void pack_weights(const KernelSet<T>& ks, const T* w, int64_t w_stride, int64_t 
   for (int64_t p = 0; p < ceil_div(n, ks.gemm_panel); ++p) ks.pack_panel(w, w_stride, n, k, p, packed);
 }
 
+void pack_weights16(const uint16_t* w, int64_t w_stride, int64_t n, int64_t k, int64_t panel, uint32_t* packed) {
+  const int64_t pairs = (k + 1) / 2;
+  for (int64_t p = 0; p < ceil_div(n, panel); ++p)
+    for (int64_t kp = 0; kp < pairs; ++kp) {
+      uint32_t* dst = packed + (p * pairs + kp) * panel;
+      for (int64_t c = 0; c < panel; ++c) {
+        const int64_t col = p * panel + c;
+        if (col >= n) {
+          dst[c] = 0;
+          continue;
+        }
+        const uint16_t* row = w + col * w_stride;
+        dst[c] = uint32_t(row[2 * kp]) | (2 * kp + 1 < k ? uint32_t(row[2 * kp + 1]) << 16 : 0u);
+      }
+    }
+}
+
 template <class T>
 void linear(const GemmArgs<T>& g, int num_threads) {
   if (g.m == 0 || g.n == 0) return;
@@ -57,7 +74,7 @@ void linear(const GemmArgs<T>& g, int num_threads) {
   // the calling thread's scratch (allocated here, before the parallel region, which no exception
   // may leave), at most `group` panels of k x panel: L2-sized for the k of a layer.
   // One or two rows read W as it is (gemm.inc, gemm_short_unpacked): packing would double their work.
-  const bool as_is = g.packed || g.m <= 2;
+  const bool as_is = g.packed || g.packed16 || g.m <= 2;
   // The threads' slices slice_stride apart, as ThreadSlices lays them out (parallel.h), never end to
   // end.
   const size_t per_thread = as_is ? 0 : size_t(group * g.k * ks.gemm_panel);

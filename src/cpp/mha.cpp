@@ -8,6 +8,10 @@
 // embed_dim) context matrix, which is exactly the input of the output projection. So no stage
 // reshapes, transposes or copies what the previous one produced.
 //
+// A bfloat16 layer (MhaArgs::bf16) is the same chain with its projections in bfloat16 pairs
+// (GemmArgs::packed16) from bfloat16 inputs: Q, K, V and the attention stay float32, and the
+// attention's output is rounded to bfloat16 once, as the output projection's input.
+//
 // A step over a KV cache (multi_head_attention_cached) is the same chain with the cache in the
 // middle: the new K/V rows go from the projection's matrix into the cache (converted to its storage
 // there), and the attention reads the cache in place. Doing the whole step in one call matters for
@@ -30,6 +34,8 @@ namespace {
 // Tag of the calling thread's workspace for the layer's intermediate matrices (each written in full
 // by its producer; parallel.h, grow_only_scratch).
 struct LayerWorkspace;
+// ... and for a bfloat16 layer's attention output rounded to bfloat16 (MhaArgs::bf16).
+struct ContextBf16;
 
 // The layer's intermediates, carved from the workspace: Q and the attention's output `context`
 // (q_rows, q_width), K and V (kv_rows, kv_width).
@@ -48,11 +54,16 @@ LayerBuffers<T> layer_buffers(int64_t q_rows, int64_t q_width, int64_t kv_rows, 
   return {q, q + q_size, q + q_size + kv_size, q + q_size + 2 * kv_size};
 }
 
-// dst (rows, width) = x (rows, in) @ W.T + bias.
+// dst (rows, width) = x (rows, in) @ W.T + bias; with a weight packed in pairs (a bfloat16 layer), x
+// holds bfloat16 rows.
 template <class T>
 void project(const T* x, int64_t x_stride, int64_t rows, int64_t in, const Projection<T>& p, T* dst, int64_t width,
              int num_threads) {
   GemmArgs<T> g;
+  if (p.packed16) {
+    g.a16 = reinterpret_cast<const uint16_t*>(x);
+    g.packed16 = p.packed16;
+  }
   g.a = x;
   g.a_stride = x_stride;
   g.packed = p.packed;
@@ -144,7 +155,15 @@ void multi_head_attention(const MhaArgs<T>& m, int num_threads) {
     scaled_dot_product_attention<T>(a, num_threads);
   }
 
-  project<T>(context, q_width, q_rows, q_width, m.proj.o, m.out, m.embed_dim, num_threads);
+  const T* out_in = context;
+  if constexpr (std::is_same<T, float>::value) {
+    if (m.bf16) {  // the output projection's A in bfloat16, rounded as ml_dtypes rounds
+      uint16_t* rounded = grow_only_scratch<ContextBf16, uint16_t>(size_t(std::max<int64_t>(1, q_rows * q_width)));
+      convert_half(context, rounded, q_rows * q_width, num_threads, true);
+      out_in = reinterpret_cast<const T*>(rounded);
+    }
+  }
+  project<T>(out_in, q_width, q_rows, q_width, m.proj.o, m.out, m.embed_dim, num_threads);
 }
 
 template void multi_head_attention<float>(const MhaArgs<float>&, int);

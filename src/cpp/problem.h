@@ -259,6 +259,9 @@ struct Tile {
 // wider buffer (e.g. the Q part of a fused QKV projection). Instead of `packed`, W itself may be
 // given (`w`, rows w_stride apart): then each task of linear() packs the panels it computes into
 // its thread's scratch first (a one-off call: pyattn.mha), with the same results.
+// bfloat16 layers (float32 C and bias; only where KernelTable::bf16_dots): A as bfloat16 rows (a16,
+// a_stride apart) and W packed in pairs of k (packed16[p][k2][c] = W[p*panel + c][2 k2] | W[..][2 k2 +
+// 1] << 16, ceil(k / 2) pairs, an odd k's last pair with 0, see pack_weights16) instead of a and packed.
 template <class T>
 struct GemmArgs {
   const T* a = nullptr;
@@ -270,6 +273,8 @@ struct GemmArgs {
   T* c = nullptr;
   int64_t c_stride = 0;
   int64_t m = 0, n = 0, k = 0;
+  const uint16_t* a16 = nullptr;
+  const uint32_t* packed16 = nullptr;  // [panels][ceil(k / 2)][panel]
 };
 
 // pyattn.merge_attention_states: P partial results of the same rows over disjoint key sets, each
@@ -366,6 +371,7 @@ struct Projection {
   const T* w = nullptr;
   int64_t w_stride = 0;
   const T* bias = nullptr;
+  const uint32_t* packed16 = nullptr;  // a bfloat16 layer's weight in pairs (GemmArgs::packed16)
 };
 
 template <class T>
@@ -378,9 +384,13 @@ struct LayerWeights {
 // are packed by pack_weights for the active ISA (W in (out_features, in_features) layout), biases may
 // be null. Query head h uses key/value head h / (num_heads / num_kv_heads). Mask offsets are per
 // (batch * num_heads + h). `out` is C-contiguous (batch * q_len, embed_dim); `weights`, when not
-// null, C-contiguous (batch, num_heads, q_len, kv_len).
+// null, C-contiguous (batch, num_heads, q_len, kv_len). A bfloat16 layer (bf16, T = float): xq, xk and
+// xv point at bfloat16 rows (strides in their elements), the projections are packed16, and the
+// attention's output is rounded to bfloat16 for the output projection; Q/K/V, the attention, out and
+// weights stay float32.
 template <class T>
 struct MhaArgs {
+  bool bf16 = false;
   const T* xq = nullptr;
   const T* xk = nullptr;
   const T* xv = nullptr;

@@ -11,13 +11,19 @@ from . import _core
 from ._arrays import COMPUTE_DTYPES, allocate, as_array, kernel_layout
 
 
+def is_bf16(dtype):
+    """A bfloat16 layer's dtype (ml_dtypes.bfloat16, native byte order)."""
+    return dtype.name == "bfloat16" and dtype.itemsize == 2 and dtype.isnative
+
+
 def float_array(x, name, dtype=None):
-    """x as a float32/float64 NumPy array (None stays None), of `dtype` when given; TypeError naming `name`."""
+    """x as a float32/float64/bfloat16 NumPy array (None stays None), of `dtype` when given; TypeError
+    naming `name`."""
     if x is None:
         return None
     x = as_array(x, name)
-    if x.dtype not in COMPUTE_DTYPES:
-        raise TypeError(f"{name}: dtype must be float32 or float64, got {x.dtype}")
+    if x.dtype not in COMPUTE_DTYPES and not is_bf16(x.dtype):
+        raise TypeError(f"{name}: dtype must be float32, float64 or bfloat16, got {x.dtype}")
     if dtype is not None and x.dtype != dtype:
         raise TypeError(f"{name}: dtype must be {dtype} (the other inputs' dtype), got {x.dtype}")
     return x
@@ -29,7 +35,12 @@ def _expect_shape(x, shape, name):
 
 
 class LayerWeights:
-    """Validated layer weights: q/k/v/out projections (out_features, in_features) and biases."""
+    """Validated layer weights: q/k/v/out projections (out_features, in_features) and biases.
+
+    A bfloat16 layer (dtype bfloat16) computes in float32 (``compute``): on an ISA with bfloat16 dot
+    products its projections are pair GEMMs over the bfloat16 weights and inputs (the core's
+    ``bf16=True``: weights from pack_weights16, float32 biases), elsewhere the float32 layer over the
+    same values (bfloat16 widens to float32 exactly); the results are rounded to bfloat16 once."""
 
     def __init__(self, embed_dim, num_heads, num_kv_heads, kdim, vdim, q, k, v, o, bq, bk, bv, bo):
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
@@ -38,6 +49,8 @@ class LayerWeights:
         self.q, self.k, self.v, self.o = q, k, v, o
         self.bq, self.bk, self.bv, self.bo = bq, bk, bv, bo
         self.dtype = q.dtype
+        self.bf16 = is_bf16(self.dtype)
+        self.compute = np.dtype(np.float32) if self.bf16 else self.dtype
         self._packed = {}
 
     def __getstate__(self):
@@ -59,21 +72,48 @@ class LayerWeights:
         if was_packed:
             self.packed()
 
+    def pairs(self):
+        """Whether the core computes this bfloat16 layer's projections in bfloat16 pairs (on the ISA in use)."""
+        return self.bf16 and _core.bf16_dots()
+
     def packed(self):
-        """(q, k, v, o) weights packed for the active ISA's GEMM (cached per ISA), and the panel width."""
+        """(q, k, v, o) weights packed for the active ISA's GEMM (cached per ISA), and the panel width:
+        a bfloat16 layer's in pairs (pack_weights16) where the ISA has bfloat16 dot products, else
+        their float32 values."""
         isa = _core.isa()
         if isa not in self._packed:
-            packs = [_core.pack_weights(np.ascontiguousarray(w)) for w in (self.q, self.k, self.v, self.o)]
+            weights = (self.q, self.k, self.v, self.o)
+            if self.pairs():
+                packs = [_core.pack_weights16(np.ascontiguousarray(w).view(np.uint16)) for w in weights]
+            else:
+                packs = [_core.pack_weights(np.ascontiguousarray(w, dtype=self.compute)) for w in weights]
             self._packed[isa] = (tuple(p for p, _ in packs), packs[0][1])
         return self._packed[isa]
+
+    def biases(self):
+        """(q, k, v, o) biases as the core takes them: in the compute dtype (None stays None)."""
+        if not self.bf16:
+            return (self.bq, self.bk, self.bv, self.bo)
+        return tuple(None if b is None else b.astype(np.float32) for b in (self.bq, self.bk, self.bv, self.bo))
+
+    def core_rows(self, x):
+        """An input's (rows, features) matrix as the core reads it: a bfloat16 layer's as the uint16
+        view of its bfloat16 rows (pairs) or their float32 values."""
+        if not self.bf16:
+            return x
+        return x.view(np.uint16) if self.pairs() else x.astype(np.float32)
+
+    def core_weights(self):
+        """The core layer call's weights tuple: (q, k, v, o) weights (for_core) and their biases."""
+        return (*self.for_core(), *self.biases())
 
     def for_core(self):
         """(q, k, v, o) weights as the core's layer calls take them: packed for the active ISA once
         this object has packed (MultiHeadAttention packs at construction), else the weight arrays
         themselves (pyattn.mha: one call, whose GEMM tasks pack the panels they compute into
         per-thread scratch, or for one or two rows read them in place: no four fresh packed copies
-        per call, same results)."""
-        if self._packed:
+        per call, same results). A bfloat16 layer's are always packed (packed())."""
+        if self._packed or self.bf16:
             return self.packed()[0]
         return tuple(
             kernel_layout(x, n)

@@ -16,7 +16,7 @@ import numpy as np
 from . import _core
 from ._arrays import COMPUTE_DTYPES, allocate, as_array, check_batch_first, kernel_layout
 from ._cache import KVCache, compute_dtype, layer_step
-from ._layer_weights import float_array, resolve_weights
+from ._layer_weights import float_array, is_bf16, resolve_weights
 
 
 def _mask_entry(m, name, dtype, batch, num_heads, q_len, kv_len, key_padding):
@@ -26,6 +26,8 @@ def _mask_entry(m, name, dtype, batch, num_heads, q_len, kv_len, key_padding):
         return None
     if m.dtype != np.bool_ and m.dtype != dtype:
         raise TypeError(f"{name}: dtype must be bool or the inputs' dtype ({dtype}), got {m.dtype}")
+    if m.dtype != np.bool_ and is_bf16(dtype):  # a bfloat16 layer computes in float32: its values, exactly
+        m = m.astype(np.float32)
     m = kernel_layout(m, name, contiguous_last=False) if m.ndim else m
     item = m.itemsize
     bh = np.arange(batch * num_heads, dtype=np.int64)
@@ -67,6 +69,10 @@ def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, num_thre
     """Self-attention of new tokens q (batch, chunk, E) over kv_cache, after appending their K/V."""
     if not isinstance(kv_cache, KVCache):
         raise TypeError(f"kv_cache: expected a pyattn.KVCache, got {type(kv_cache).__name__}")
+    if w.bf16:
+        raise TypeError(
+            "kv_cache: a bfloat16 layer has no cached step; use a float32 layer with KVCache(..., dtype='bfloat16')"
+        )
     if need_weights:
         raise ValueError("need_weights: not supported with kv_cache")
     if (w.kdim, w.vdim) != (w.embed_dim, w.embed_dim):
@@ -102,6 +108,24 @@ def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, num_thre
     return out if batched else out[0]
 
 
+def _core_variants(w, variants):
+    """(window, softcap, sinks, alibi_slopes) for the core: a bfloat16 layer's per-head values as
+    float32 (the same values)."""
+    if not w.bf16:
+        return variants
+    return tuple(v.astype(np.float32) if isinstance(v, np.ndarray) and is_bf16(v.dtype) else v for v in variants)
+
+
+def _in_layer_dtype(w, x):
+    """A result computed in w.compute, in the layer's dtype: a bfloat16 layer's rounded once (to
+    nearest even, as ml_dtypes rounds), into an array on a cache line like every result."""
+    if x is None or not w.bf16:
+        return x
+    y = allocate(x.shape, w.dtype, "out")
+    y[...] = x
+    return y
+
+
 def _sequence_first(x, batch_first):
     """A (len, batch, features) input (batch_first=False) as its (batch, len, features) view; other
     inputs as they are (unbatched 2-D inputs have no batch axis to move, as in torch)."""
@@ -129,22 +153,23 @@ def _forward_packed(
             raise ValueError(
                 f"{name}: with cu_seqlens expected shape {(total, dim)} like query's tokens, got {x.shape}"
             )
-    out = allocate((total, w.embed_dim), w.dtype, "out")
+    out = allocate((total, w.embed_dim), w.compute, "out")
     _core.mha(
-        _rows(q, False, "query"),
-        _rows(k, False, "key"),
-        _rows(v, False, "value"),
-        (*w.for_core(), w.bq, w.bk, w.bv, w.bo),
+        w.core_rows(_rows(q, False, "query")),
+        w.core_rows(_rows(k, False, "key")),
+        w.core_rows(_rows(v, False, "value")),
+        w.core_weights(),
         [1, total, total, w.embed_dim, w.kdim, w.vdim, w.num_heads, w.num_kv_heads, w.head_dim],
         [],
         is_causal,
         out,
         None,
         num_threads,
-        *variants,
+        *_core_variants(w, variants),
         cu_seqlens,
+        bf16=w.pairs(),
     )
-    return out
+    return _in_layer_dtype(w, out)
 
 
 def _forward(
@@ -230,27 +255,28 @@ def _forward(
             kp = kp[np.newaxis]
         masks.append(_mask_entry(kp, "key_padding_mask", w.dtype, batch, w.num_heads, q_len, kv_len, True))
 
-    out = allocate((batch, q_len, w.embed_dim) if batched else (q_len, w.embed_dim), w.dtype, "out")
-    weights = allocate((batch, w.num_heads, q_len, kv_len), w.dtype, "need_weights") if need_weights else None
-    packed = w.for_core()
+    out = allocate((batch, q_len, w.embed_dim) if batched else (q_len, w.embed_dim), w.compute, "out")
+    weights = allocate((batch, w.num_heads, q_len, kv_len), w.compute, "need_weights") if need_weights else None
     _core.mha(
-        _rows(q, batched, "query"),
-        _rows(k, batched, "key"),
-        _rows(v, batched, "value"),
-        (*packed, w.bq, w.bk, w.bv, w.bo),
+        w.core_rows(_rows(q, batched, "query")),
+        w.core_rows(_rows(k, batched, "key")),
+        w.core_rows(_rows(v, batched, "value")),
+        w.core_weights(),
         [batch, q_len, kv_len, w.embed_dim, w.kdim, w.vdim, w.num_heads, w.num_kv_heads, w.head_dim],
         masks,
         is_causal,
         out,
         weights,
         num_threads,
-        *variants,
+        *_core_variants(w, variants),
+        bf16=w.pairs(),
     )
-    out = _sequence_first(out, batch_first)
+    out = _sequence_first(_in_layer_dtype(w, out), batch_first)
     if not need_weights:
         return out
     if average_attn_weights:
         weights = weights.mean(axis=1)
+    weights = _in_layer_dtype(w, weights)
     if not batched:
         weights = weights[0]
     return out, weights
@@ -427,8 +453,13 @@ class MultiHeadAttention:
     num_kv_heads : int, optional
         Key/value heads for grouped-query (1 = multi-query) attention; must divide num_heads;
         default num_heads.
-    dtype : float32 or float64
-        The weights' dtype, and the inputs' dtype the layer takes.
+    dtype : float32, float64 or bfloat16 (``ml_dtypes.bfloat16``)
+        The weights' dtype, and the inputs' and outputs' dtype of the layer. A bfloat16 layer
+        computes in float32 from its bfloat16 values: on CPUs with AVX512-BF16 its projections are
+        bfloat16 dot products (float32 sums; the attention's output rounded to bfloat16 for the output
+        projection), elsewhere float32 products; the attention is float32; results are rounded to
+        bfloat16 once. It has no cached step (``kv_cache``: use a float32 layer with
+        ``KVCache(..., dtype="bfloat16")``).
     seed : int, optional
         Seed of the random initial weights (torch's ``xavier_uniform_`` for the input projections,
         its Linear default for the output projection), for reproducible layers.
@@ -469,8 +500,8 @@ class MultiHeadAttention:
     ):
         self.batch_first = check_batch_first(batch_first)
         dtype = np.dtype(dtype)
-        if dtype not in COMPUTE_DTYPES:
-            raise TypeError(f"dtype: must be float32 or float64, got {dtype}")
+        if dtype not in COMPUTE_DTYPES and not is_bf16(dtype):
+            raise TypeError(f"dtype: must be float32, float64 or bfloat16 (ml_dtypes.bfloat16), got {dtype}")
         if isinstance(embed_dim, bool) or not isinstance(embed_dim, (int, np.integer)) or embed_dim < 1:
             raise ValueError(f"embed_dim: expected a positive int, got {embed_dim!r}")
         self.embed_dim = int(embed_dim)
@@ -615,15 +646,19 @@ class MultiHeadAttention:
         Parameters
         ----------
         module : torch.nn.MultiheadAttention
-            float32 or float64 parameters; ``bias_k``/``bias_v`` and ``add_zero_attn`` are not
+            float32, float64 or bfloat16 parameters; ``bias_k``/``bias_v`` and ``add_zero_attn`` are not
             supported (ValueError).
         """
         if getattr(module, "bias_k", None) is not None or getattr(module, "add_zero_attn", False):
             raise ValueError("module: bias_k/bias_v and add_zero_attn are not supported")
         dtype = module.out_proj.weight.dtype
         np_dtype = {"torch.float32": np.float32, "torch.float64": np.float64}.get(str(dtype))
+        if str(dtype) == "torch.bfloat16":
+            import ml_dtypes  # a bfloat16 tensor's values come as ml_dtypes.bfloat16 (as_array)
+
+            np_dtype = ml_dtypes.bfloat16
         if np_dtype is None:
-            raise TypeError(f"module: parameters must be float32 or float64, got {dtype}")
+            raise TypeError(f"module: parameters must be float32, float64 or bfloat16, got {dtype}")
         layer = cls.__new__(cls)
         layer.batch_first = bool(getattr(module, "batch_first", False))  # torch's default is (len, batch, E)
         layer.embed_dim, layer.kdim, layer.vdim = module.embed_dim, module.kdim, module.vdim
