@@ -7,16 +7,17 @@ optional: without it its columns show "-")::
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_mha.py            # full suite
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_mha.py --quick    # smoke, < 30 s
     python bench/bench_mha.py --threads 1 --markdown --json out.json
+    python bench/bench_mha.py --quick --dtype bfloat16                                # bfloat16 layers
 
 OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE, when set, slow NumPy's BLAS (the numpy peers); the script
 never changes them, it prints a warning, hence the ``env -u`` above.
 
-Everything is float32 with the same thread count for every library (``--threads``, default
-os.cpu_count(); ``torch.set_num_threads``; NumPy's BLAS through threadpoolctl when installed). Each
-library is timed in its own blocks (warm-up, then its repetitions, then the next library), never two
-at once: two OpenMP runtimes spin-waiting side by side interfere on a small machine. The blocks
-alternate (``--rounds`` per row, samples pooled), so a slow spell of the shared machine hits every
-library alike.
+Everything is float32 (``--dtype bfloat16``: bfloat16 layers, see the end) with the same thread count
+for every library (``--threads``, default os.cpu_count(); ``torch.set_num_threads``; NumPy's BLAS
+through threadpoolctl when installed). Each library is timed in its own blocks (warm-up, then its
+repetitions, then the next library), never two at once: two OpenMP runtimes spin-waiting side by side
+interfere on a small machine. The blocks alternate (``--rounds`` per row, samples pooled), so a slow
+spell of the shared machine hits every library alike.
 
 Table 1, the layer: self-attention ``out = layer(x)`` with x (B, L, E), no mask, for BERT-base-sized
 (E=768, 12 heads; B in 1, 8; L in 128, 512) and MiniLM-sized (E=384, 12 heads, B=8, L=128) layers:
@@ -71,6 +72,30 @@ Table 3, a decode step: one new token through a self-attention layer over a KV c
 * ms = per token; GB/s = the bytes a step must read (the four weight matrices in float32 and the
   cache's K/V in its dtype) / time; max err = the last token's output against a float64 computation
   from the K/V values the cache stores (Q and output projections in float64 too).
+
+``--dtype bfloat16``: Table 1 only (the GEMM and decode tables are the float32 run's), on
+ml_dtypes.bfloat16 weights and x (the same draws as the float32 rows, rounded to bfloat16). Per layer:
+
+* pyattn (the pyattn columns): ``MultiHeadAttention.from_torch(module)`` of the bfloat16 torch module
+  below (without torch ``MultiHeadAttention(E, H, dtype=bfloat16)`` + ``load_state_dict``): bfloat16
+  weights, inputs and output; with AVX512-BF16 (ISA avx512bf16, runtime_info()["precision_fast"] ==
+  "bfloat16 dot products") its projections are bfloat16 dot products with float32 sums, elsewhere it
+  computes as the float32 layer over the same values and rounds the output to bfloat16;
+  ``pyattn.mha`` with the same bfloat16 weights must equal it bit for bit (checked once, not timed);
+* f32: pyattn's float32 layer with the same (bfloat16-valued) weights and x, in the same alternating
+  blocks: ``f32 ms``, ``f32/bf16`` = f32 ms / pyattn ms (> 1: the bfloat16 layer is faster), ``f32 err``;
+* torch (when installed): the float32 module ``.to(torch.bfloat16)`` (exact: the values are
+  bfloat16's), batch_first, eval, ``torch.inference_mode()``, ``need_weights=False``, on
+  ``torch.from_numpy(x's float32 values).to(torch.bfloat16)`` (not timed); ``torch x`` as above;
+* no numpy peer (NumPy has no bfloat16 matmul) and no timed reference;
+* errors against ``pyattn.reference.mha`` in float64 on the bfloat16 values, on every row (untimed):
+  ``max err`` (pyattn's bfloat16 output), ``torch err`` (torch's bfloat16 output), ``err/torch`` = max
+  err / torch err (the accuracy target: <= 1.5), ``f32 err``. A bfloat16 result is wrong (exit status
+  1) above BF16_ERR_ATOL + BF16_ERR_RTOL * max|reference| (bench_sdpa.py's bounds: the output alone
+  is rounded to bfloat16), the float32 layer's above WRONG_ANSWER_ERR;
+* %peak = of the bfloat16 dot-product peak (``pyattn._machine.dot16_peak_gflops``, vdpbf16ps) when
+  pyattn's ISA has one, else of the float32 FMA peak; the header says which. The attention
+  (4*B*L*S*E of the FLOPs) computes in float32 either way.
 """
 
 from __future__ import annotations
@@ -86,6 +111,7 @@ import numpy as np
 from _common import (
     BUSY_WARN_CPUS,
     ENVIRONMENT_HELP,
+    WRONG_ANSWER_ERR,
     BackgroundLoad,
     Column,
     Table,
@@ -112,6 +138,13 @@ from _common import (
 )
 
 DTYPE = np.float32
+DTYPES = ("float32", "bfloat16")  # --dtype (bfloat16: the layer table only)
+# A bfloat16 row's result is wrong above BF16_ERR_ATOL + BF16_ERR_RTOL * max|reference|: bench_sdpa.py's
+# bounds (twice the test suite's for precision="fast" bfloat16). Correct rows measure about 2**-8 *
+# max|reference| (the output's own rounding to bfloat16); a wrong head or lost weights are far above.
+BF16_ERR_ATOL = 1.2e-2
+BF16_ERR_RTOL = 3.2e-2
+BF16_DOTS = "bfloat16 dot products"  # runtime_info()["precision_fast"] on ISAs with them (avx512bf16)
 REFERENCE_MAX_LEN = 128  # the float64 reference runs (and is the error yardstick) only up to this L
 WARMUP = 2  # untimed calls per library and row (torch's first calls allocate and pick kernels)
 ROW_RETRIES = 2  # with --wait-idle: redo a row disturbed by other processes at most this often
@@ -330,6 +363,125 @@ def layer_row(pyattn, case: LayerCase, args, peak) -> dict:
     return row
 
 
+def bfloat16_dtype() -> np.dtype:
+    """ml_dtypes' bfloat16 (imported only for --dtype bfloat16); exits with a message without it."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        sys.exit("bench_mha: --dtype bfloat16 needs ml_dtypes (pip install ml_dtypes)")
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def as_float64(x) -> np.ndarray:
+    """x's values in float64: a NumPy array of any float dtype (bfloat16 too) or a torch tensor (a
+    bfloat16 one has no NumPy dtype: it goes through float32, which holds its values exactly)."""
+    if not isinstance(x, np.ndarray) and hasattr(x, "numpy"):
+        x = x.float().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two bfloat16 arrays hold the same bits (NaN included)."""
+    return a.shape == b.shape and np.array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+def layer_bf16_row(pyattn, case: LayerCase, args, peak) -> dict:
+    """--dtype bfloat16: time pyattn's bfloat16 layer, pyattn's float32 layer on the same values and
+    torch's bfloat16 nn.MultiheadAttention (when installed) in alternating blocks; the errors of all
+    three against the float64 reference on the bfloat16 values (untimed)."""
+    bf16 = args.bf16
+    rng = np.random.default_rng(args.seed)  # the float32 rows' draws, rounded to bfloat16
+    state = {name: value.astype(bf16) for name, value in layer_weights(case, rng).items()}
+    x = rng.standard_normal((case.batch, case.seq_len, case.embed_dim), dtype=DTYPE).astype(bf16)
+    state32 = {name: value.astype(DTYPE) for name, value in state.items()}  # the same values
+    x32 = x.astype(DTYPE)
+    module = None
+    if args.torch:
+        import torch
+
+        module = torch_layer(case, state32).to(torch.bfloat16)  # exact: the values are bfloat16's
+        layer = pyattn.MultiHeadAttention.from_torch(module)
+    else:
+        layer = pyattn.MultiHeadAttention(case.embed_dim, case.num_heads, dtype=bf16)
+        layer.load_state_dict(state)
+    layer32 = pyattn.MultiHeadAttention(case.embed_dim, case.num_heads)
+    layer32.load_state_dict(state32)
+    fns = {
+        "pyattn": lambda: layer(x, num_threads=args.threads),
+        "f32": lambda: layer32(x32, num_threads=args.threads),
+    }
+    if module is not None:
+        torch.set_num_threads(args.threads)
+        tx = torch.from_numpy(x32).to(torch.bfloat16)
+
+        def run_torch():
+            with torch.inference_mode():
+                return module(tx, tx, tx, need_weights=False)[0]
+
+        fns["torch"] = run_torch
+    timed = interleaved(fns, args)
+    t_pyattn, out = timed["pyattn"]
+    t_f32, out32 = timed["f32"]
+    t_torch, torch_out = timed.get("torch", (None, None))
+    if out.dtype != bf16:
+        raise AssertionError(f"{case.name}: the bfloat16 layer returned {out.dtype}")
+    weights = {k.replace(".", "_"): v for k, v in layer.state_dict().items()}
+    function_out = pyattn.mha(x, num_heads=case.num_heads, num_threads=args.threads, **weights)
+    if not same_bits(function_out, out):
+        raise AssertionError(f"{case.name}: pyattn.mha differs from the layer with the same bfloat16 weights")
+
+    with args.blas_limit():
+        ref = pyattn.reference.mha(
+            x.astype(np.float64),
+            num_heads=case.num_heads,
+            **{k: v.astype(np.float64) for k, v in weights.items()},
+        )
+    ref_max = float(np.max(np.abs(ref)))
+    err = max_abs_diff(out, ref)
+    torch_err = None if torch_out is None else max_abs_diff(as_float64(torch_out), ref)
+    gflops = case.flops / t_pyattn.median / 1e9
+    return {
+        "case": case.name,
+        "dtype": "bfloat16",
+        "embed_dim": case.embed_dim,
+        "num_heads": case.num_heads,
+        "batch": case.batch,
+        "seq_len": case.seq_len,
+        "flops": case.flops,
+        "bf16_projections": args.bf16_dots,
+        "pyattn_ms": t_pyattn.median * 1e3,
+        "pyattn_min_ms": t_pyattn.min * 1e3,
+        "pyattn_runs": t_pyattn.runs,
+        "gflops": gflops,
+        "peak_ceiling": args.ceiling,
+        "pct_peak": 100 * gflops / peak if peak else None,
+        "max_abs_err": err,
+        "err_vs": "ref",
+        "ref_max_abs": ref_max,
+        "err_tol": BF16_ERR_ATOL + BF16_ERR_RTOL * ref_max,
+        "f32_ms": t_f32.median * 1e3,
+        "f32_min_ms": t_f32.min * 1e3,
+        "f32_runs": t_f32.runs,
+        "f32_vs_bf16": t_f32.median / t_pyattn.median,
+        "f32_max_abs_err": max_abs_diff(out32, ref),
+        # Without bfloat16 dot products the bfloat16 layer is the float32 layer's output rounded once.
+        "bf16_is_rounded_f32": None if args.bf16_dots else same_bits(out32.astype(bf16), out),
+        **peer_timing("torch", t_torch, t_pyattn),
+        "torch_max_abs_err": torch_err,
+        "err_vs_torch": err / torch_err if torch_err else None,
+    }
+
+
+def wrong_f32(rows: list[dict]) -> list[str]:
+    """bfloat16 rows whose float32 layer (same values) is above WRONG_ANSWER_ERR (or NaN); the bfloat16
+    result (max_abs_err) is checked by finish_run against the row's err_tol."""
+    return [
+        f"{r['case']} float32 layer: max err {r['f32_max_abs_err']:.3g}"
+        for r in rows
+        if "f32_max_abs_err" in r and not r["f32_max_abs_err"] <= WRONG_ANSWER_ERR
+    ]
+
+
 def decode_row(pyattn, case: DecodeCase, args, peak) -> dict:
     """Time DECODE_STEPS one-token steps of pyattn's layer over its KVCache and, when torch is
     installed, of the same step in PyTorch (torch_decode); blocks separate."""
@@ -507,13 +659,16 @@ def gemm_row(pyattn, case: GemmCase, args, peak) -> dict:
 
 
 def measure_peak(pyattn, args, readings: int = 3) -> tuple[float, float | None]:
-    """FMA peak (GFLOP/s, float32, pyattn's ISA): the best of `readings` readings, and the background load
-    during that reading. Any reading can come out low (other processes, or the hypervisor taking the
-    CPU, which /proc/stat does not show as busy), and a ceiling is what the best reading says."""
+    """The rows' ceiling (args.ceiling: the FMA peak, float32, or with --dtype bfloat16 on an ISA that
+    has one the bfloat16 dot-product peak; GFLOP/s, pyattn's ISA): the best of `readings` readings, and
+    the background load during that reading. Any reading can come out low (other processes, or the
+    hypervisor taking the CPU, which /proc/stat does not show as busy), and a ceiling is what the best
+    reading says."""
+    measure = getattr(machine(pyattn), args.ceiling)
     best, busy = 0.0, None
     for _ in range(readings):
         with BackgroundLoad() as load:
-            peak = float(machine(pyattn).fma_peak_gflops(args.threads, 0.1 if args.quick else 0.5))
+            peak = float(measure(args.threads, 0.1 if args.quick else 0.5))
         if peak > best:
             best, busy = peak, load.cpus
     return best, busy
@@ -523,8 +678,9 @@ def rescale_peak(results: dict[str, list[dict]], old_peak: float, new_peak: floa
     """Recompute every row's %peak against `new_peak` (rows were printed with `old_peak`)."""
     for rows in results.values():
         for row in rows:
-            if row.get("pct_fma_peak") is not None:
-                row["pct_fma_peak"] *= old_peak / new_peak
+            for key in ("pct_fma_peak", "pct_peak"):
+                if row.get(key) is not None:
+                    row[key] *= old_peak / new_peak
 
 
 def guarded(run, pyattn, case, args, peak) -> dict:
@@ -563,6 +719,24 @@ LAYER_TABLE = Table(
         Column("torch x", 7),
         Column("ref ms", 7),
         Column("ref x", 5),
+        Column("bg", 3),
+    ]
+)
+LAYER_BF16_TABLE = Table(
+    [
+        Column("layer", 17, right=False),
+        Column("pyattn ms", 9),
+        Column("min ms", 7),
+        Column("GFLOP/s", 7),
+        Column("%peak", 5),
+        Column("max err", 7),
+        Column("torch err", 7),
+        Column("err/torch", 5),
+        Column("f32 ms", 7),
+        Column("f32/bf16", 5),
+        Column("f32 err", 7),
+        Column("torch ms", 8),
+        Column("torch x", 7),
         Column("bg", 3),
     ]
 )
@@ -636,6 +810,25 @@ def layer_cells(row: dict) -> list[str]:
     ]
 
 
+def layer_bf16_cells(row: dict) -> list[str]:
+    return [
+        row["case"],
+        fmt_ms(row["pyattn_ms"]),
+        fmt_ms(row["pyattn_min_ms"]),
+        fmt(row["gflops"], ".1f"),
+        fmt(row["pct_peak"], ".0f"),
+        fmt(row["max_abs_err"], ".1e"),
+        fmt(row["torch_max_abs_err"], ".1e"),
+        fmt(row["err_vs_torch"], ".2f"),
+        fmt_ms(row["f32_ms"]),
+        fmt(row["f32_vs_bf16"], ".2f"),
+        fmt(row["f32_max_abs_err"], ".1e"),
+        fmt_ms(row["torch_ms"]),
+        fmt(row["torch_vs_pyattn"], ".2f"),
+        fmt(row.get("background_cpus"), ".1f"),
+    ]
+
+
 def gemm_cells(row: dict) -> list[str]:
     return [
         row["case"],
@@ -679,6 +872,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-gemm", action="store_true", help="skip the GEMM table")
     parser.add_argument("--no-decode", action="store_true", help="skip the decode-step table")
     parser.add_argument("--no-layer", action="store_true", help="skip the layer table")
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="layer dtype (default %(default)s). bfloat16 (ml_dtypes): the layer table only, pyattn's bfloat16 "
+        "layer against its float32 layer on the same values and torch's bfloat16 nn.MultiheadAttention",
+    )
     add_common_arguments(
         parser,
         TIMING,
@@ -693,7 +893,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def print_header(info: dict) -> None:
     rt = info["pyattn"]
-    peak = info["fma_peak_gflops"]
+    half = info["dtype"] == "bfloat16"
+    peak = info[info["peak_ceiling"]]
     print(f"pyattn bench_mha   {info['date']}")
     print(f"CPU: {info['cpu']} ({info['logical_cpus']} logical CPUs); threads, every library: {info['threads']}")
     print(
@@ -705,10 +906,16 @@ def print_header(info: dict) -> None:
         f"torch {info['torch'] or 'not installed (peer skipped: its columns show -)'}"
     )
     print_peer_isa(info["peer_isa_env"])
-    print(f"FMA peak (measured now, float32, pyattn's ISA): {peak:.1f} GFLOP/s")
-    peak_busy = info["fma_peak_background_cpus"]
+    if info["peak_ceiling"] == "dot16_peak_gflops":
+        ceiling = "bfloat16 dot-product peak"
+        print(f"{ceiling} (measured now, vdpbf16ps, pyattn's ISA): {peak:.1f} GFLOP/s; %peak is of it")
+    else:
+        ceiling = "FMA peak"
+        print(f"FMA peak (measured now, float32, pyattn's ISA): {peak:.1f} GFLOP/s", end="")
+        print(f"; %peak is of it: {info['dot16_peak_note']}" if half else "")
+    peak_busy = info[info["peak_ceiling"].replace("_gflops", "_background_cpus")]
     if peak_busy is not None and peak_busy > BUSY_WARN_CPUS:
-        print(f"WARNING: {peak_busy:.1f} CPUs were busy while measuring the FMA peak; %peak is overstated")
+        print(f"WARNING: {peak_busy:.1f} CPUs were busy while measuring the {ceiling}; %peak is overstated")
     for line in openblas_env_warnings():
         print(line)
     busy = info["busy_cpus_before"]
@@ -716,6 +923,10 @@ def print_header(info: dict) -> None:
         print(f"background load before the run: {busy:.1f} of {info['logical_cpus']} CPUs busy")
         if busy > BUSY_WARN_CPUS:
             print("WARNING: other processes are using the CPUs; timings will be noisy and slow")
+    if half:
+        print_bf16_definitions(info, ceiling)
+        print()
+        return
     print(
         "float32; ms = median over runs after warm-up (min ms = fastest); each library timed in its own blocks, "
         "--rounds alternating blocks per row"
@@ -734,6 +945,50 @@ def print_header(info: dict) -> None:
     print()
 
 
+def print_bf16_definitions(info: dict, ceiling: str) -> None:
+    """The --dtype bfloat16 header's definitions (the layer table only)."""
+    dots = info["bf16_projections"]
+    print(
+        "dtype bfloat16 (ml_dtypes): weights and x drawn in float32 and rounded to bfloat16; pyattn = "
+        "MultiHeadAttention(dtype=bfloat16), whose projections on this ISA compute with: "
+        + (
+            "bfloat16 dot products (float32 sums)"
+            if dots
+            else "float32 (the float32 layer over the bfloat16 values, output rounded to bfloat16)"
+        )
+    )
+    print(
+        "ms = median over runs after warm-up (min ms = fastest); each library timed in its own blocks, "
+        "--rounds alternating blocks per row"
+    )
+    print(
+        "layer GFLOP/s = (8*B*L*E^2 [Q,K,V,out projections, 2*M*N*K each] + 4*B*H*L*S*Dh [attention]) / time; "
+        f"%peak = of the {ceiling} above (the attention computes in float32 either way)"
+    )
+    print(
+        "f32 ms = pyattn's float32 layer on the same (bfloat16-valued) weights and x, timed in the same "
+        "alternating blocks; f32/bf16 = f32 ms / pyattn ms (> 1: the bfloat16 layer is faster)"
+    )
+    print(
+        "'torch x' = torch ms / pyattn ms (> 1: pyattn faster); torch = nn.MultiheadAttention .to(torch.bfloat16) "
+        "(eval, inference_mode, need_weights=False) on torch.from_numpy(x's float32 values).to(torch.bfloat16) "
+        "(not timed)"
+    )
+    print(
+        "max err = max|pyattn bfloat16 - pyattn.reference.mha (float64, on the bfloat16 values)| over the whole "
+        "output; torch err = the same for torch's bfloat16 output; err/torch = max err / torch err (the accuracy "
+        "target: <= 1.5); f32 err = the same for the float32 layer"
+    )
+    print(
+        f"wrong result (exit status 1): max err > {BF16_ERR_ATOL:g} + {BF16_ERR_RTOL:g} * max|reference|, or "
+        f"f32 err > {WRONG_ANSWER_ERR:g}"
+    )
+    print(
+        "not run on bfloat16: numpy (NumPy has no bfloat16 matmul), the timed reference, the GEMM and decode "
+        "tables (theirs: --dtype float32)"
+    )
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     pyattn = import_pyattn(args.isa, "bench_mha")
@@ -747,6 +1002,9 @@ def main(argv=None) -> int:
     args.torch = torch_version is not None
     if not hasattr(pyattn, "MultiHeadAttention"):
         sys.exit("bench_mha: this pyattn has no MultiHeadAttention")
+    half = args.dtype == "bfloat16"
+    args.bf16 = bfloat16_dtype() if half else None
+    args.bf16_dots = pyattn.runtime_info().get("precision_fast") == BF16_DOTS
     layers = [c for c in LAYER_SUITE if c.name in QUICK_LAYERS] if args.quick else list(LAYER_SUITE)
     decodes = [c for c in DECODE_SUITE if c.name in QUICK_DECODE] if args.quick else list(DECODE_SUITE)
     if args.layers:
@@ -755,11 +1013,27 @@ def main(argv=None) -> int:
         decodes = [c for c in decodes if any(f in c.name for f in filters)]
         if not layers and not decodes:
             sys.exit("bench_mha: no layer or decode step matches --layers")
+    if half:  # the layer table only
+        if args.no_layer or not layers:
+            sys.exit("bench_mha: --dtype bfloat16 runs layer rows only, and none is selected")
+        decodes = []
+        args.no_gemm = args.no_decode = True
     gemms = gemm_suite(layers)
     args.blas_limit, blas_threads = blas_thread_limiter(args.threads)
 
     busy = wait_for_idle(args.wait_idle)
-    peak, peak_busy = measure_peak(pyattn, args)
+    args.ceiling, dot16_note = "fma_peak_gflops", None
+    if half:  # %peak of the bfloat16 dot product where pyattn's ISA has one, else of the FMA
+        dot16_note = f"ISA {pyattn.get_isa()} has no bfloat16 dot product"
+        if hasattr(machine(pyattn), "dot16_peak_gflops"):
+            args.ceiling = "dot16_peak_gflops"
+        else:
+            dot16_note = "pyattn._machine.dot16_peak_gflops missing"
+    try:
+        peak, peak_busy = measure_peak(pyattn, args)
+    except ValueError:  # dot16_peak_gflops on an ISA without the instruction
+        args.ceiling = "fma_peak_gflops"
+        peak, peak_busy = measure_peak(pyattn, args)
     info = {
         "date": now_iso(),
         "cpu": cpu_model(),
@@ -769,8 +1043,10 @@ def main(argv=None) -> int:
         "pyattn": dict(pyattn.runtime_info()),
         "numpy_blas": f"{numpy_blas_name()}; BLAS threads: {blas_threads}",
         "torch": torch_version,
-        "fma_peak_gflops": peak,
-        "fma_peak_background_cpus": peak_busy,
+        "dtype": args.dtype,
+        "peak_ceiling": args.ceiling,
+        args.ceiling: peak,
+        args.ceiling.replace("_gflops", "_background_cpus"): peak_busy,
         "busy_cpus_before": busy,
         "peer_isa_env": peer_env,
         "env": {
@@ -784,16 +1060,23 @@ def main(argv=None) -> int:
         "rounds": args.rounds,
         "seed": args.seed,
     }
+    if half:
+        info["bf16_projections"] = args.bf16_dots
+        if args.ceiling != "dot16_peak_gflops":
+            info["dot16_peak_note"] = dot16_note
     print_header(info)
 
     results: dict[str, list[dict]] = {"layer": [], "gemm": [], "decode": []}
+    layer_table, cells_of, run_layer = (
+        (LAYER_BF16_TABLE, layer_bf16_cells, layer_bf16_row) if half else (LAYER_TABLE, layer_cells, layer_row)
+    )
     if not args.no_layer:
-        print("Layer: self-attention, x (B, L, E), no mask")
-        print(LAYER_TABLE.header(), flush=True)
+        print("Layer: self-attention, x (B, L, E), no mask" + (", bfloat16" if half else ""))
+        print(layer_table.header(), flush=True)
         for case in layers:
-            row = guarded(layer_row, pyattn, case, args, peak)
+            row = guarded(run_layer, pyattn, case, args, peak)
             results["layer"].append(row)
-            print(LAYER_TABLE.add(layer_cells(row)), flush=True)
+            print(layer_table.add(cells_of(row)), flush=True)
         print()
     if not args.no_gemm:
         print("GEMM: out (M, N) = x (M, K) @ w.T, pyattn weights pre-packed, no bias")
@@ -815,15 +1098,16 @@ def main(argv=None) -> int:
 
     # The peak again, after the rows: if this reading is higher, the first one was disturbed.
     end_peak, _ = measure_peak(pyattn, args, readings=1)
-    info["fma_peak_gflops_end"] = end_peak
+    info[f"{args.ceiling}_end"] = end_peak
     if end_peak > peak:
-        print(f"\nFMA peak re-measured after the rows: {end_peak:.1f} GFLOP/s (was {peak:.1f});", end=" ")
+        name = "bfloat16 dot-product peak" if args.ceiling == "dot16_peak_gflops" else "FMA peak"
+        print(f"\n{name} re-measured after the rows: {end_peak:.1f} GFLOP/s (was {peak:.1f});", end=" ")
         print("%peak in the Markdown and JSON output uses the higher value")
         rescale_peak(results, peak, end_peak)
-        info["fma_peak_gflops"] = end_peak
+        info[args.ceiling] = end_peak
     if args.markdown:
         for title, table, cells, rows in (
-            ("Layer", LAYER_TABLE, layer_cells, results["layer"]),
+            ("Layer", layer_table, cells_of, results["layer"]),
             ("GEMM", GEMM_TABLE, gemm_cells, results["gemm"]),
             ("Decode step", DECODE_TABLE, decode_cells, results["decode"]),
         ):
@@ -833,12 +1117,23 @@ def main(argv=None) -> int:
                     fresh.add(cells(row))
                 print(f"\n{title}\n")
                 print(fresh.markdown())
-    return finish_run(
+    status = finish_run(
         info,
         args.json,
         results,
         f"{len(results['layer'])} layer, {len(results['gemm'])} GEMM and {len(results['decode'])} decode rows",
     )
+    bad = wrong_f32(results["layer"])
+    for line in bad:
+        print(f"ERROR: wrong result (max abs error above {WRONG_ANSWER_ERR:g}): {line}", file=sys.stderr)
+    notes = [r["case"] for r in results["layer"] if r.get("bf16_is_rounded_f32") is False]
+    if notes:
+        print(
+            "note: without bfloat16 dot products the bfloat16 layer's output is not the float32 layer's rounded "
+            f"to bfloat16 on {', '.join(notes)}",
+            file=sys.stderr,
+        )
+    return 1 if bad or status else 0
 
 
 if __name__ == "__main__":
