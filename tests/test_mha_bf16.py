@@ -6,11 +6,11 @@ emulation in CI: tools/emulate_avx512.sh) against pyattn.reference.mha in float6
 values, with the tolerance table's bound (conftest.tol("bfloat16 layer"): "fast bfloat16 layer"
 where the ISA has bfloat16 dot products, else bfloat16's, the output's single rounding). On ISAs
 without them the bfloat16 layer is the float32 layer over the same values, rounded once: checked
-bit for bit. Odd sizes (embed_dim,
-kdim and vdim odd, so the pair GEMM's k tail has half a pair), every option of the float32 layer
-(test_mha.OPTION_CASES), the variants, packed batches, bit-identity across thread counts and
-between mha and the layer, pickling, torch's bfloat16 module (from_torch; pyattn's error no worse
-than 1.5x torch's own bfloat16 error), and the error policy.
+bit for bit. Odd sizes (embed_dim, kdim and vdim odd, so the pair GEMM's k tail has half a pair),
+every option of the float32 layer (test_mha.OPTION_CASES), the variants, packed batches,
+bit-identity across thread counts and between mha and the layer, pickling, decoding over every kind
+of KV cache, torch's bfloat16 module (from_torch; pyattn's error no worse than 1.5x torch's own
+bfloat16 error), and the error policy.
 
 Inputs and weights are NaN-guarded views (conftest.nan_guarded) unless a test says otherwise.
 """
@@ -241,6 +241,83 @@ def test_bf16_weights_round_the_float32_layer(bf16, rng):
         assert_same_bits(getattr(layer16, name), array.astype(bf16))
 
 
+# --- decoding over a KV cache ------------------------------------------------------------------
+
+CACHE_STORAGES = ["float32", "float16", "bfloat16", "int8"]
+CHUNKS = [9, 3, 1, 1, 5, 1]  # a prefill, a chunk, decode steps
+
+
+def run_chunks(layer, x, cache, chunks=CHUNKS, **options):
+    """layer(x's tokens chunk by chunk, kv_cache=cache): the outputs, concatenated over the tokens."""
+    outs, start = [], 0
+    for n in chunks:
+        outs.append(layer(x[:, start : start + n], kv_cache=cache, **options))
+        start += n
+    return np.concatenate(outs, axis=1)
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1], ids=["mha", "gqa2", "mqa"])
+def test_cached_steps_match_reference(isa, bf16, rng, num_kv_heads):
+    """A float32 cache: every chunk's output against the float64 layer over the whole sequence with
+    lower-right causal masking; the stored K/V against the float64 projections of the bfloat16
+    values at float32's tolerance (pair GEMMs multiply exactly and sum in float32)."""
+    layer = pyattn.MultiHeadAttention(32, 4, num_kv_heads=num_kv_heads, dtype=bf16, seed=11)
+    x = random_array(rng, (2, sum(CHUNKS), 32), bf16)
+    cache = pyattn.KVCache(2, num_kv_heads, 8, 24, dtype=np.float32)
+    got = run_chunks(layer, x, cache)
+    expected = reference_mha(x, num_heads=4, num_kv_heads=num_kv_heads, is_causal=True, **weights_of(layer))
+    assert_bf16_close(got, expected, bf16)
+    state = layer.state_dict()
+    kv = num_kv_heads * 8
+    k_proj = f64(x) @ f64(state["in_proj_weight"][32 : 32 + kv]).T + f64(state["in_proj_bias"][32 : 32 + kv])
+    rtol, atol = tol(np.float32)
+    k_proj = k_proj.reshape(2, sum(CHUNKS), num_kv_heads, 8).transpose(0, 2, 1, 3)
+    np.testing.assert_allclose(cache.keys(), k_proj, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("storage", CACHE_STORAGES)
+def test_cached_steps_match_float32_layer(isa, bf16, rng, storage):
+    """Every cache a float32 layer decodes with, a bfloat16 layer does too: its outputs are the float32
+    layer's (same values, same kind of cache) rounded once, bit for bit, where the ISA has no bfloat16
+    dot products, and within the bfloat16 layer bound where it has; ragged chunks (num_new) too."""
+    np_dtype(storage)
+    layer = pyattn.MultiHeadAttention(48, 6, num_kv_heads=2, dtype=bf16, seed=4)
+    layer32 = pyattn.MultiHeadAttention(48, 6, num_kv_heads=2, seed=4)
+    layer32.load_state_dict({k: v.astype(np.float32) for k, v in layer.state_dict().items()})
+    caches = [pyattn.KVCache(2, 2, 8, 32, dtype=storage) for _ in range(2)]
+    x = random_array(rng, (2, sum(CHUNKS), 48), bf16)
+    got = run_chunks(layer, x, caches[0])
+    expected = run_chunks(layer32, x.astype(np.float32), caches[1])
+    ragged = dict(num_new=np.array([3, 1]))
+    got = np.concatenate([got, layer(x[:, :3], kv_cache=caches[0], **ragged)[:, :1]], axis=1)
+    expected = np.concatenate([expected, layer32(x[:, :3].astype(np.float32), kv_cache=caches[1], **ragged)[:, :1]], 1)
+    assert got.dtype == bf16 and caches[0].lengths.tolist() == [sum(CHUNKS) + 3, sum(CHUNKS) + 1]
+    if not pyattn._core.bf16_dots():
+        assert_same_bits(got, expected.astype(bf16))
+        np.testing.assert_array_equal(f64(caches[0].keys(0)), f64(caches[1].keys(0)))
+    else:
+        rtol, atol = tol("bfloat16 layer")
+        np.testing.assert_allclose(f64(got), f64(expected), rtol=rtol, atol=atol)
+
+
+def test_cached_prefill_equals_uncached_causal(isa, bf16, rng):
+    """One chunk into an empty float32 cache is the causal layer over that chunk (within the bound:
+    the cache's attention kernel is not the uncached one)."""
+    layer = pyattn.MultiHeadAttention(64, 4, dtype=bf16, seed=2)
+    x = random_array(rng, (2, 21, 64), bf16)
+    got = layer(x, kv_cache=pyattn.KVCache(2, 4, 16, 21))
+    rtol, atol = tol("bfloat16 layer")
+    np.testing.assert_allclose(f64(got), f64(layer(x, is_causal=True)), rtol=rtol, atol=atol)
+
+
+def test_cached_steps_bitwise_for_any_thread_count(isa, bf16, rng):
+    layer = pyattn.MultiHeadAttention(48, 6, num_kv_heads=3, dtype=bf16, seed=8)
+    x = random_array(rng, (2, sum(CHUNKS), 48), bf16)
+    outs = [run_chunks(layer, x, pyattn.KVCache(2, 3, 8, 32, dtype="bfloat16"), num_threads=n) for n in (1, 2, 3)]
+    for out in outs[1:]:
+        assert_same_bits(out, outs[0])
+
+
 # --- torch's bfloat16 module --------------------------------------------------------------------
 
 
@@ -272,11 +349,14 @@ def test_from_torch_bf16_no_worse_than_torch(bf16, rng, embed_dim, num_heads, q_
 # --- the error policy ---------------------------------------------------------------------------
 
 
-def test_kv_cache_is_refused(bf16, rng):
+def test_float64_cache_is_refused(bf16, rng):
+    """A bfloat16 layer computes in float32: a float64 cache is a TypeError naming kv_cache, changing
+    nothing."""
     layer = pyattn.MultiHeadAttention(16, 2, dtype=bf16, seed=0)
-    cache = pyattn.KVCache(1, 2, 8, 8, dtype=bf16)
-    with pytest.raises(TypeError, match="^kv_cache: a bfloat16 layer has no cached step"):
+    cache = pyattn.KVCache(1, 2, 8, 8, dtype=np.float64)
+    with pytest.raises(TypeError, match="^kv_cache: storage float64 computes in float64, but the layer"):
         layer(random_array(rng, (1, 1, 16), bf16), kv_cache=cache)
+    assert cache.lengths.tolist() == [0]
 
 
 def test_mixed_dtypes_are_refused(bf16, rng):

@@ -318,8 +318,9 @@ template <class T>
 void run_mha_cached(const py::array& x, const py::tuple& w, const std::vector<int64_t>& dims, py::array& k_cache,
                     py::array& v_cache, Storage storage, const py::array& before, const py::array& after,
                     bool left_padded, py::array& out, int num_threads, const Variants& variants, py::handle k_scales,
-                    py::handle v_scales) {
+                    py::handle v_scales, bool bf16 = false) {
   MhaCacheArgs<T> m;
+  m.bf16 = bf16;
   m.batch = dims[0];
   m.chunk = dims[1];
   m.embed_dim = dims[2];
@@ -328,9 +329,10 @@ void run_mha_cached(const py::array& x, const py::tuple& w, const std::vector<in
   m.head_dim = dims[5];
   check_layer_dims(dims, m.num_heads, m.num_kv_heads, m.head_dim, m.embed_dim);
   const int64_t rows = checked_mul(m.batch, m.chunk), kv_width = checked_mul(m.num_kv_heads, m.head_dim);
-  m.x_stride = row_matrix<T>("query", x, rows, m.embed_dim);
+  m.x_stride =
+      bf16 ? row_matrix<uint16_t>("query", x, rows, m.embed_dim) : row_matrix<T>("query", x, rows, m.embed_dim);
   m.x = static_cast<const T*>(x.data());
-  layer_weights<T>(w, m.embed_dim, kv_width, m.embed_dim, m.embed_dim, m.proj);
+  layer_weights<T>(w, m.embed_dim, kv_width, m.embed_dim, m.embed_dim, m.proj, bf16);
 
   const py::dtype stored = storage == Storage::same ? py::dtype::of<T>()
                            : storage == Storage::i8 ? py::dtype::of<int8_t>()
@@ -379,11 +381,16 @@ void run_mha_cached(const py::array& x, const py::tuple& w, const std::vector<in
 void mha_cached_py(const py::array& x, const py::tuple& w, const std::vector<int64_t>& dims, py::array k_cache,
                    py::array v_cache, int storage, const py::array& before, const py::array& after, bool left_padded,
                    py::array out, py::handle num_threads, py::handle window, py::handle softcap, py::handle sinks,
-                   py::handle alibi_slopes, py::handle k_scales, py::handle v_scales) {
+                   py::handle alibi_slopes, py::handle k_scales, py::handle v_scales, bool bf16) {
   if (dims.size() != 6) fail("dims must have 6 entries");
   if (storage < 0 || storage > 3) fail("storage must be 0 (same), 1 (float16), 2 (bfloat16) or 3 (int8)");
   const int threads = parse_threads(num_threads);
   const Variants variants = parse_variants(window, softcap, sinks, alibi_slopes, Dims{dims[0]}, dims[3]);
+  if (bf16) {  // as mha's bf16: uint16 rows, pack_weights16 weights, float32 out; any float32 cache
+    if (!active_kernels().bf16_dots) fail("bf16: the ISA in use has no bfloat16 dot products");
+    return run_mha_cached<float>(x, w, dims, k_cache, v_cache, Storage(storage), before, after, left_padded, out,
+                                 threads, variants, k_scales, v_scales, true);
+  }
   if (is_float32(x))
     return run_mha_cached<float>(x, w, dims, k_cache, v_cache, Storage(storage), before, after, left_padded, out,
                                  threads, variants, k_scales, v_scales);
@@ -414,9 +421,9 @@ void bind_mha(py::module_& m) {
         py::arg("v_cache"), py::arg("storage"), py::arg("lengths_before"), py::arg("lengths_after"),
         py::arg("left_padded"), py::arg("out"), py::arg("num_threads"), py::arg("window") = py::none(),
         py::arg("softcap") = py::none(), py::arg("sinks") = py::none(), py::arg("alibi_slopes") = py::none(),
-        py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none(),
+        py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none(), py::arg("bf16") = false,
         "Low-level layer step over a KV cache (project, append, attend, project); arguments prepared by "
-        "pyattn._mha and pyattn.KVCache.");
+        "pyattn._mha and pyattn.KVCache (bf16: as mha's).");
 }
 
 }  // namespace pyattn

@@ -12,8 +12,8 @@
 // (GemmArgs::packed16) from bfloat16 inputs: Q, K, V and the attention stay float32, and the
 // attention's output is rounded to bfloat16 once, as the output projection's input.
 //
-// A step over a KV cache (multi_head_attention_cached) is the same chain with the cache in the
-// middle: the new K/V rows go from the projection's matrix into the cache (converted to its storage
+// A step over a KV cache (multi_head_attention_cached, a bfloat16 layer's too) is the same chain with
+// the cache in the middle: the new K/V rows go from the projection's matrix into the cache (converted to its storage
 // there), and the attention reads the cache in place. Doing the whole step in one call matters for
 // decoding: as a dozen NumPy operations and several calls into the core, the step's fixed cost per
 // layer would be as much as the arithmetic of a small layer.
@@ -121,6 +121,20 @@ AttnArgs<T> head_split_attention(const T* q, const T* k, const T* v, int64_t bat
   return a;
 }
 
+// The output projection's input: the attention's output `context` (rows, width) itself, or for a
+// bfloat16 layer (bf16) its values rounded to bfloat16 (as ml_dtypes rounds) in per-thread scratch.
+template <class T>
+const T* output_projection_input(const T* context, int64_t rows, int64_t width, bool bf16, int num_threads) {
+  if constexpr (std::is_same<T, float>::value) {
+    if (bf16) {
+      uint16_t* rounded = grow_only_scratch<ContextBf16, uint16_t>(size_t(std::max<int64_t>(1, rows * width)));
+      convert_half(context, rounded, rows * width, num_threads, true);
+      return reinterpret_cast<const T*>(rounded);
+    }
+  }
+  return context;
+}
+
 }  // namespace
 
 template <class T>
@@ -155,14 +169,7 @@ void multi_head_attention(const MhaArgs<T>& m, int num_threads) {
     scaled_dot_product_attention<T>(a, num_threads);
   }
 
-  const T* out_in = context;
-  if constexpr (std::is_same<T, float>::value) {
-    if (m.bf16) {  // the output projection's A in bfloat16, rounded as ml_dtypes rounds
-      uint16_t* rounded = grow_only_scratch<ContextBf16, uint16_t>(size_t(std::max<int64_t>(1, q_rows * q_width)));
-      convert_half(context, rounded, q_rows * q_width, num_threads, true);
-      out_in = reinterpret_cast<const T*>(rounded);
-    }
-  }
+  const T* out_in = output_projection_input<T>(context, q_rows, q_width, m.bf16, num_threads);
   project<T>(out_in, q_width, q_rows, q_width, m.proj.o, m.out, m.embed_dim, num_threads);
 }
 
@@ -245,7 +252,8 @@ void multi_head_attention_cached(const MhaCacheArgs<T>& m, int num_threads) {
   a.causal_offsets = causal_offsets.data();
   scaled_dot_product_attention<T>(a, num_threads);
 
-  project<T>(context, q_width, rows, q_width, m.proj.o, m.out, m.embed_dim, num_threads);
+  const T* out_in = output_projection_input<T>(context, rows, q_width, m.bf16, num_threads);
+  project<T>(out_in, q_width, rows, q_width, m.proj.o, m.out, m.embed_dim, num_threads);
 }
 
 template void multi_head_attention_cached<float>(const MhaCacheArgs<float>&, int);

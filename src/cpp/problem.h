@@ -421,8 +421,11 @@ struct MhaArgs {
 // cache is (batch, num_kv_heads, max_len, head_dim) for K and V alike, element strides cache_stride_*
 // (last axis contiguous); k_cache/v_cache hold uint16 bit patterns for 16-bit storage, int8 values
 // for int8 storage, with the row at element offset o scaled by k_scales[o / cache_stride_s] (V alike).
+// A bfloat16 layer (bf16, T = float) as in MhaArgs: x holds bfloat16 rows, the projections are
+// packed16, the attention's output is rounded to bfloat16 for the output projection.
 template <class T>
 struct MhaCacheArgs {
+  bool bf16 = false;
   const T* x = nullptr;
   int64_t x_stride = 0;
   int64_t batch = 0, chunk = 0;

@@ -500,7 +500,9 @@ def compute_dtype(cache):
     return cache._compute
 
 
-def layer_step(cache, rows, weights, dims, num_new, left_padded, out, num_threads, variants=(None, None, None, None)):
+def layer_step(
+    cache, rows, weights, dims, num_new, left_padded, out, num_threads, variants=(None, None, None, None), bf16=False
+):
     """One step of a multi-head layer over `cache` (pyattn.mha / MultiHeadAttention with kv_cache=):
     the chunk's rows (batch * chunk, embed_dim) are projected, their K/V appended (num_new and
     left_padded as in KVCache.append), the queries attend over each row's cached keys, and the output
@@ -508,7 +510,8 @@ def layer_step(cache, rows, weights, dims, num_new, left_padded, out, num_thread
 
     weights: the layer's (q, k, v, out) projections as the core takes them, then their biases; dims:
     (batch, chunk, embed_dim, num_heads, num_kv_heads, head_dim); variants: (window, softcap, sinks,
-    alibi_slopes) as KVCache.attend takes them."""
+    alibi_slopes) as KVCache.attend takes them; bf16: a bfloat16 layer's pair projections (rows the
+    uint16 view of bfloat16 rows, weights from pack_weights16, out float32)."""
     before, counts, end = cache._plan_append(num_new, dims[1])
     # Positional arguments: keyword matching costs time on every decode step.
     _core.mha_cached(
@@ -526,6 +529,7 @@ def layer_step(cache, rows, weights, dims, num_new, left_padded, out, num_thread
         *variants,
         cache._k_scales,
         cache._v_scales,
+        bf16,
     )
     cache._commit_append(counts, end, dims[1], left_padded)
 

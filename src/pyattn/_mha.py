@@ -69,10 +69,6 @@ def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, num_thre
     """Self-attention of new tokens q (batch, chunk, E) over kv_cache, after appending their K/V."""
     if not isinstance(kv_cache, KVCache):
         raise TypeError(f"kv_cache: expected a pyattn.KVCache, got {type(kv_cache).__name__}")
-    if w.bf16:
-        raise TypeError(
-            "kv_cache: a bfloat16 layer has no cached step; use a float32 layer with KVCache(..., dtype='bfloat16')"
-        )
     if need_weights:
         raise ValueError("need_weights: not supported with kv_cache")
     if (w.kdim, w.vdim) != (w.embed_dim, w.embed_dim):
@@ -85,26 +81,31 @@ def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, num_thre
             f"kv_cache: expected num_kv_heads={w.num_kv_heads}, head_dim=value_dim={w.head_dim}, got {kv_cache!r}"
         )
     compute = compute_dtype(kv_cache)
-    if compute != w.dtype:
-        raise TypeError(f"kv_cache: storage {kv_cache.dtype} computes in {compute}, but the layer is {w.dtype}")
+    if compute != w.compute:
+        raise TypeError(
+            f"kv_cache: storage {kv_cache.dtype} computes in {compute}, "
+            f"but the layer ({w.dtype}) computes in {w.compute}"
+        )
     batched = q.ndim == 3
     x = q if batched else q[np.newaxis]
     if x.shape[0] != kv_cache.batch:
         raise ValueError(f"query: batch size must equal kv_cache.batch ({kv_cache.batch}), got {x.shape[0]}")
     batch, chunk = x.shape[0], x.shape[1]
-    out = allocate((batch, chunk, w.embed_dim), w.dtype, "out")
+    out = allocate((batch, chunk, w.embed_dim), w.compute, "out")
     dims = [batch, chunk, w.embed_dim, w.num_heads, w.num_kv_heads, w.head_dim]
     layer_step(
         kv_cache,
-        _rows(x, True, "query"),
-        (*w.for_core(), w.bq, w.bk, w.bv, w.bo),
+        w.core_rows(_rows(x, True, "query")),
+        w.core_weights(),
         dims,
         num_new,
         left_padded,
         out,
         num_threads,
-        variants,
+        _core_variants(w, variants),
+        w.pairs(),
     )
+    out = _in_layer_dtype(w, out)
     return out if batched else out[0]
 
 
@@ -344,7 +345,8 @@ def mha(
         Key/value heads for grouped-query (1 = multi-query) attention; must divide num_heads.
     kv_cache : pyattn.KVCache, optional
         Incremental decoding (self-attention only, no masks): the new tokens' K/V are appended to
-        the cache and their queries attend to every cached key (lower-right causal alignment).
+        the cache and their queries attend to every cached key (lower-right causal alignment). The
+        cache computes in the layer's compute dtype (float32 for bfloat16 weights).
     num_new : int or ndarray of int, optional
         With kv_cache: the real tokens of each row of a padded chunk, (batch,) ints in [0, chunk].
     left_padded : bool
@@ -458,8 +460,8 @@ class MultiHeadAttention:
         computes in float32 from its bfloat16 values: on CPUs with AVX512-BF16 its projections are
         bfloat16 dot products (float32 sums; the attention's output rounded to bfloat16 for the output
         projection), elsewhere float32 products; the attention is float32; results are rounded to
-        bfloat16 once. It has no cached step (``kv_cache``: use a float32 layer with
-        ``KVCache(..., dtype="bfloat16")``).
+        bfloat16 once. Its ``kv_cache`` is any cache that computes in float32 (storage float32,
+        float16, bfloat16 or int8).
     seed : int, optional
         Seed of the random initial weights (torch's ``xavier_uniform_`` for the input projections,
         its Linear default for the output projection), for reproducible layers.
