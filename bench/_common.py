@@ -56,6 +56,23 @@ def import_pyattn(isa: str | None, prog: str):
 NUMPY_CHUNK_SCORES = 1 << 22  # numpy_attention materialises at most this many float32 scores at once
 
 
+def bfloat16_dtype(prog: str) -> np.dtype:
+    """ml_dtypes' bfloat16 (imported only for --dtype bfloat16); exits naming `prog` without it."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        sys.exit(f"{prog}: --dtype bfloat16 needs ml_dtypes (pip install ml_dtypes)")
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def as_float64(x) -> np.ndarray:
+    """x's values in float64: a NumPy array of any float dtype (bfloat16 too) or a torch tensor (a
+    bfloat16 one has no NumPy dtype: it goes through float32, which holds its values exactly)."""
+    if not isinstance(x, np.ndarray) and hasattr(x, "numpy"):
+        x = x.float().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
 def numpy_attention(q, k, v, allowed, scale):
     """Float32 NumPy attention, the benches' NumPy peer: scores by matmul, masked softmax in place,
     matmul with V, then the division by the softmax sums (on the (.., L, Dv) output, cheaper than on

@@ -117,6 +117,8 @@ from _common import (
     Table,
     TimingDefaults,
     add_common_arguments,
+    as_float64,
+    bfloat16_dtype,
     blas_thread_limiter,
     cpu_model,
     finish_run,
@@ -361,23 +363,6 @@ def layer_row(pyattn, case: LayerCase, args, peak) -> dict:
         row["max_abs_err"], row["err_vs"] = max_abs_diff(out, peer_out), peer_name
         row["torch_max_abs_err"] = row["numpy_max_abs_err"] = None
     return row
-
-
-def bfloat16_dtype() -> np.dtype:
-    """ml_dtypes' bfloat16 (imported only for --dtype bfloat16); exits with a message without it."""
-    try:
-        import ml_dtypes
-    except ImportError:
-        sys.exit("bench_mha: --dtype bfloat16 needs ml_dtypes (pip install ml_dtypes)")
-    return np.dtype(ml_dtypes.bfloat16)
-
-
-def as_float64(x) -> np.ndarray:
-    """x's values in float64: a NumPy array of any float dtype (bfloat16 too) or a torch tensor (a
-    bfloat16 one has no NumPy dtype: it goes through float32, which holds its values exactly)."""
-    if not isinstance(x, np.ndarray) and hasattr(x, "numpy"):
-        x = x.float().numpy()
-    return np.asarray(x, dtype=np.float64)
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -1003,7 +988,7 @@ def main(argv=None) -> int:
     if not hasattr(pyattn, "MultiHeadAttention"):
         sys.exit("bench_mha: this pyattn has no MultiHeadAttention")
     half = args.dtype == "bfloat16"
-    args.bf16 = bfloat16_dtype() if half else None
+    args.bf16 = bfloat16_dtype("bench_mha") if half else None
     args.bf16_dots = pyattn.runtime_info().get("precision_fast") == BF16_DOTS
     layers = [c for c in LAYER_SUITE if c.name in QUICK_LAYERS] if args.quick else list(LAYER_SUITE)
     decodes = [c for c in DECODE_SUITE if c.name in QUICK_DECODE] if args.quick else list(DECODE_SUITE)

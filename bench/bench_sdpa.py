@@ -86,6 +86,8 @@ from _common import (
     Table,
     TimingDefaults,
     add_common_arguments,
+    as_float64,
+    bfloat16_dtype,
     blas_thread_limiter,
     cpu_model,
     finish_run,
@@ -241,23 +243,6 @@ def flop_count(case: Case, variant: str) -> int:
 def kv_bytes(case: Case, itemsize: int = np.dtype(DTYPE).itemsize) -> int:
     """Bytes of K and V (each read once by a streaming decode kernel), `itemsize` bytes per element."""
     return 2 * case.batch * case.num_heads * case.kv_len * case.head_dim * itemsize
-
-
-def bfloat16_dtype() -> np.dtype:
-    """ml_dtypes' bfloat16 (imported only for --dtype bfloat16); exits with a message without it."""
-    try:
-        import ml_dtypes
-    except ImportError:
-        sys.exit("bench_sdpa: --dtype bfloat16 needs ml_dtypes (pip install ml_dtypes)")
-    return np.dtype(ml_dtypes.bfloat16)
-
-
-def as_float64(x) -> np.ndarray:
-    """x's values in float64: a NumPy array of any float dtype (bfloat16 too) or a torch tensor (a
-    bfloat16 one has no NumPy dtype: it goes through float32, which holds its values exactly)."""
-    if not isinstance(x, np.ndarray) and hasattr(x, "numpy"):
-        x = x.float().numpy()
-    return np.asarray(x, dtype=np.float64)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -916,7 +901,7 @@ def main(argv=None) -> int:
     cases = select_cases(args)
     if not cases:
         sys.exit("bench_sdpa: no shape matches --shapes")
-    bf16 = bfloat16_dtype() if args.dtype == "bfloat16" else None
+    bf16 = bfloat16_dtype("bench_sdpa") if args.dtype == "bfloat16" else None
     peers, versions = detect_peers(args.peers)
     not_run = []
     if bf16 is not None:
