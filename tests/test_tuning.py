@@ -154,12 +154,13 @@ def cache_steps(name):
 
 
 @pytest.mark.parametrize("caches", ["own", "small"])
-@pytest.mark.parametrize("name", ["float32", "float16", "bfloat16", "float64"])
+@pytest.mark.parametrize("name", ["float32", "float16", "bfloat16", "float64", "int8"])
 def test_every_cpu_profile_matches_the_reference(isa, cpu_profile, caches, name):
-    """Each CPU profile's plans (with its own cache sizes, and with small ones) give the reference's
-    values on the decode path, the query tiles and KVCache steps."""
+    """Each CPU profile's plans (with its own cache sizes, and with small ones: K/V "from memory",
+    where the int8 and 16-bit prefetch rules apply) give the reference's values on the decode path,
+    the query tiles and KVCache steps."""
     with override(**(SMALL_CACHES if caches == "small" else {})):
-        for call, expected, tol in decode_calls(name) + tile_calls(name) + cache_steps(name):
+        for call, expected, tol in sdpa_and_cache_calls(name):
             assert_reference(call(), expected, tol)
 
 
@@ -195,12 +196,19 @@ NEUTRAL_TILES = [
 ]
 
 
-@pytest.mark.parametrize("name", ["float32", "float16", "bfloat16"])
+def sdpa_and_cache_calls(name, tiles=True):
+    """decode_calls (and tile_calls) + cache_steps of dtype `name`; int8 is a cache storage only."""
+    if name == "int8":
+        return cache_steps(name)
+    return decode_calls(name) + (tile_calls(name) if tiles else []) + cache_steps(name)
+
+
+@pytest.mark.parametrize("name", ["float32", "float16", "bfloat16", "int8"])
 def test_forced_decode_plans(isa, name):
     """Every decode plan: streams 1, 2, 4 x 16-bit blocks of 32 and 64 keys x interleaved heads across
     the heads or chunk by chunk, each against the reference; within each, software prefetching (off,
     into L1, into L2) and the fused step change no bit."""
-    calls = decode_calls(name) + cache_steps(name)
+    calls = sdpa_and_cache_calls(name, tiles=False)
     for streams, block16, across in itertools.product((1, 2, 4), (32, 64), (False, True)):
         fixed = dict(decode_streams=streams, decode_block16=block16, decode_across_heads=across)
         for call, expected, result_dtype in calls:

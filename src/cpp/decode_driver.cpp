@@ -89,6 +89,7 @@ DecodeFacts decode_facts(const AttnArgs<T>& a, int num_threads) {
   f.kv_bytes = a.batch_heads / a.group * a.kv_len * (a.head_dim + a.value_dim) * a.kv_item_bytes();
   f.rows_per_kv_head = a.rows_per_kv_head();
   f.half_kv = a.kv_storage != Storage::same;
+  f.int8_kv = a.kv_storage == Storage::i8;
   f.threads = num_threads;
   return f;
 }

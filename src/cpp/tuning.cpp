@@ -153,14 +153,16 @@ DecodePlan plan_decode(const DecodeFacts& f, const Tuning& t) {
   // waiting: generically where long arithmetic per K/V row (16-bit rows converted for 4+ query rows)
   // stops a core issuing loads while K/V come from memory. Intel: every K/V that outgrows the
   // threads' L2s, float32 too. Zen 5: every K/V that outgrows the last-level cache (with one stream,
-  // below).
-  bool prefetch = busy && f.half_kv && from_memory;
+  // below). int8 K/V from memory elsewhere (rows of half a 16-bit row's lines, which the hardware
+  // prefetchers alone leave waiting even for one query row): into L1, one stream.
+  const bool int8_rows = !intel && !zen5 && f.int8_kv && from_memory;
+  bool prefetch = (busy && f.half_kv && from_memory) || int8_rows;
   if (intel) prefetch = l2 > 0 && f.kv_bytes > int64_t(std::max(f.threads, 1)) * l2;
   if (zen5) prefetch = llc > 0 && f.kv_bytes >= llc;
   p.prefetch_kv = forced(o.decode_prefetch) ? o.decode_prefetch != 0 : prefetch;
-  // Into L1 (a shorter distance) on Zen 5, except for 16-bit rows that 4+ query rows share; into L2
-  // elsewhere.
-  p.prefetch_to_l1 = forced(o.decode_prefetch) ? o.decode_prefetch == 1 : zen5 && !(f.half_kv && busy);
+  // Into L1 (a shorter distance) on Zen 5, except for 16-bit rows that 4+ query rows share, and for
+  // int8_rows; into L2 elsewhere.
+  p.prefetch_to_l1 = forced(o.decode_prefetch) ? o.decode_prefetch == 1 : (zen5 && !(f.half_kv && busy)) || int8_rows;
   // Four parts of each item's keys side by side keep more lines in flight than one stream; where the
   // kernel prefetches in software the parts add nothing but cost (except on Intel), and 16-bit K/V
   // held in the caches are bound by their arithmetic, where more streams only cost. Zen 5: one stream.

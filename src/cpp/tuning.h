@@ -126,7 +126,8 @@ TilePlan plan_tiles(const TileFacts& f, const Tuning& t);
 struct DecodeFacts {
   int64_t kv_bytes;          // every K and V row of the call as stored
   int64_t rows_per_kv_head;  // query rows that read each K/V row (GQA group x q_len)
-  bool half_kv;              // K/V stored as 16-bit floats
+  bool half_kv;              // K/V stored as 16-bit floats or int8 (converted in registers)
+  bool int8_kv;              // K/V stored as int8
   int threads;
 };
 DecodePlan plan_decode(const DecodeFacts& f, const Tuning& t);
