@@ -53,7 +53,8 @@ PYBIND11_MODULE(_core, m) {
       "a contiguous last axis), else a C-contiguous copy on a cache line.");
   m.def(
       "_convert_half",
-      [](const py::array& src, const py::array& dst, int threads, bool bfloat16) {
+      [](const py::array& src, const py::array& dst, py::handle num_threads, bool bfloat16) {
+        const int threads = parse_threads(num_threads);
         const bool widen =
             same_dtype(src.dtype(), py::dtype::of<uint16_t>()) && same_dtype(dst.dtype(), py::dtype::of<float>());
         const bool narrow =
@@ -83,7 +84,7 @@ PYBIND11_MODULE(_core, m) {
           convert_half(s, d, n, threads, bfloat16);
         }
       },
-      py::arg("src"), py::arg("dst"), py::arg("num_threads") = 0, py::arg("bfloat16") = false,
+      py::arg("src"), py::arg("dst"), py::arg("num_threads") = py::none(), py::arg("bfloat16") = false,
       "float16 bits (uint16) <-> float32, element by element as IEEE 754 rounds (to nearest even); with "
       "bfloat16=True bfloat16 bits, rounded as ml_dtypes rounds (to nearest even, NaN to the quiet NaN).");
 #if defined(PYATTN_VERSION)

@@ -182,7 +182,7 @@ def empty_on_line(dtype: np.dtype, shape: Sequence[int], name: str, start: int =
     """A fresh uninitialised C-contiguous array that starts on a 64-byte cache line (a view into a
     slightly larger uint8 array); `name` is the argument an error names."""
 
-def _convert_half(src: np.ndarray, dst: np.ndarray, num_threads: int = 0, bfloat16: bool = False) -> None:
+def _convert_half(src: np.ndarray, dst: np.ndarray, num_threads: int | None = None, bfloat16: bool = False) -> None:
     """float16 bit patterns (uint16) to float32 or float32 to float16 bits, C-contiguous arrays of the
     same size aligned to their element size, rounding to nearest even like NumPy's astype;
     TypeError/ValueError otherwise. bfloat16=True: bfloat16 bits, rounded like ml_dtypes' astype

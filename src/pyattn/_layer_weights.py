@@ -96,12 +96,18 @@ class LayerWeights:
             return (self.bq, self.bk, self.bv, self.bo)
         return tuple(None if b is None else b.astype(np.float32) for b in (self.bq, self.bk, self.bv, self.bo))
 
-    def core_rows(self, x):
+    def core_rows(self, x, num_threads=None):
         """An input's (rows, features) matrix as the core reads it: a bfloat16 layer's as the uint16
-        view of its bfloat16 rows (pairs) or their float32 values."""
+        view of its bfloat16 rows (pairs) or their float32 values (widened by the core's threads)."""
         if not self.bf16:
             return x
-        return x.view(np.uint16) if self.pairs() else x.astype(np.float32)
+        if self.pairs():
+            return x.view(np.uint16)
+        if not x.flags.c_contiguous:
+            return x.astype(np.float32)
+        wide = allocate(x.shape, np.float32, "query")
+        _core._convert_half(x.view(np.uint16), wide, num_threads, bfloat16=True)
+        return wide
 
     def core_weights(self):
         """The core layer call's weights tuple: (q, k, v, o) weights (for_core) and their biases."""

@@ -95,7 +95,7 @@ def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, num_thre
     dims = [batch, chunk, w.embed_dim, w.num_heads, w.num_kv_heads, w.head_dim]
     layer_step(
         kv_cache,
-        w.core_rows(_rows(x, True, "query")),
+        w.core_rows(_rows(x, True, "query"), num_threads),
         w.core_weights(),
         dims,
         num_new,
@@ -105,7 +105,7 @@ def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, num_thre
         _core_variants(w, variants),
         w.pairs(),
     )
-    out = _in_layer_dtype(w, out)
+    out = _in_layer_dtype(w, out, num_threads)
     return out if batched else out[0]
 
 
@@ -117,14 +117,25 @@ def _core_variants(w, variants):
     return tuple(v.astype(np.float32) if isinstance(v, np.ndarray) and is_bf16(v.dtype) else v for v in variants)
 
 
-def _in_layer_dtype(w, x):
+def _in_layer_dtype(w, x, num_threads):
     """A result computed in w.compute, in the layer's dtype: a bfloat16 layer's rounded once (to
-    nearest even, as ml_dtypes rounds), into an array on a cache line like every result."""
+    nearest even, as ml_dtypes rounds; by the core's threads), into an array on a cache line like
+    every result."""
     if x is None or not w.bf16:
         return x
     y = allocate(x.shape, w.dtype, "out")
-    y[...] = x
+    _core._convert_half(np.ascontiguousarray(x), y.view(np.uint16), num_threads, bfloat16=True)
     return y
+
+
+def _core_inputs(w, arrays, batched, num_threads):
+    """(query, key, value) as the core's row matrices (_rows, LayerWeights.core_rows): an array passed
+    as more than one of them (self-attention) is converted once."""
+    rows = {}
+    for x, name in zip(arrays, ("query", "key", "value")):
+        if id(x) not in rows:
+            rows[id(x)] = w.core_rows(_rows(x, batched, name), num_threads)
+    return [rows[id(x)] for x in arrays]
 
 
 def _sequence_first(x, batch_first):
@@ -156,9 +167,7 @@ def _forward_packed(
             )
     out = allocate((total, w.embed_dim), w.compute, "out")
     _core.mha(
-        w.core_rows(_rows(q, False, "query")),
-        w.core_rows(_rows(k, False, "key")),
-        w.core_rows(_rows(v, False, "value")),
+        *_core_inputs(w, (q, k, v), False, num_threads),
         w.core_weights(),
         [1, total, total, w.embed_dim, w.kdim, w.vdim, w.num_heads, w.num_kv_heads, w.head_dim],
         [],
@@ -170,7 +179,7 @@ def _forward_packed(
         cu_seqlens,
         bf16=w.pairs(),
     )
-    return _in_layer_dtype(w, out)
+    return _in_layer_dtype(w, out, num_threads)
 
 
 def _forward(
@@ -259,9 +268,7 @@ def _forward(
     out = allocate((batch, q_len, w.embed_dim) if batched else (q_len, w.embed_dim), w.compute, "out")
     weights = allocate((batch, w.num_heads, q_len, kv_len), w.compute, "need_weights") if need_weights else None
     _core.mha(
-        w.core_rows(_rows(q, batched, "query")),
-        w.core_rows(_rows(k, batched, "key")),
-        w.core_rows(_rows(v, batched, "value")),
+        *_core_inputs(w, (q, k, v), batched, num_threads),
         w.core_weights(),
         [batch, q_len, kv_len, w.embed_dim, w.kdim, w.vdim, w.num_heads, w.num_kv_heads, w.head_dim],
         masks,
@@ -272,12 +279,12 @@ def _forward(
         *_core_variants(w, variants),
         bf16=w.pairs(),
     )
-    out = _sequence_first(_in_layer_dtype(w, out), batch_first)
+    out = _sequence_first(_in_layer_dtype(w, out, num_threads), batch_first)
     if not need_weights:
         return out
     if average_attn_weights:
         weights = weights.mean(axis=1)
-    weights = _in_layer_dtype(w, weights)
+    weights = _in_layer_dtype(w, weights, num_threads)
     if not batched:
         weights = weights[0]
     return out, weights
