@@ -346,6 +346,18 @@ def test_from_torch_bf16_no_worse_than_torch(bf16, rng, embed_dim, num_heads, q_
     assert err <= 1.5 * torch_err, (err, torch_err)
 
 
+def test_explain_walks_a_bf16_layer_in_float64(bf16, rng):
+    """explain() of a bfloat16 layer is the float64 layer on its bfloat16 values (the reference), and
+    the layer's own output is within the bfloat16 layer bound of it."""
+    layer = pyattn.MultiHeadAttention(16, 2, dtype=bf16, seed=6)
+    x = random_array(rng, (5, 16), bf16)
+    ex = pyattn.explain(x, layer, is_causal=True)
+    expected = reference_mha(x, num_heads=2, is_causal=True, **weights_of(layer))
+    rtol, atol = tol(np.float64)
+    np.testing.assert_allclose(ex.output, expected, rtol=rtol, atol=atol)
+    assert_bf16_close(layer(x, is_causal=True), expected, bf16)
+
+
 # --- the error policy ---------------------------------------------------------------------------
 
 

@@ -13,10 +13,10 @@
 // attention's output is rounded to bfloat16 once, as the output projection's input.
 //
 // A step over a KV cache (multi_head_attention_cached, a bfloat16 layer's too) is the same chain with
-// the cache in the middle: the new K/V rows go from the projection's matrix into the cache (converted to its storage
-// there), and the attention reads the cache in place. Doing the whole step in one call matters for
-// decoding: as a dozen NumPy operations and several calls into the core, the step's fixed cost per
-// layer would be as much as the arithmetic of a small layer.
+// the cache in the middle: the new K/V rows go from the projection's matrix into the cache
+// (converted to its storage there), and the attention reads the cache in place. Doing the whole step
+// in one call matters for decoding: as a dozen NumPy operations and several calls into the core, the
+// step's fixed cost per layer would be as much as the arithmetic of a small layer.
 
 #include <algorithm>
 #include <cmath>
