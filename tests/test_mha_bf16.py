@@ -10,7 +10,7 @@ bit for bit. Odd sizes (embed_dim, kdim and vdim odd, so the pair GEMM's k tail 
 every option of the float32 layer (test_mha.OPTION_CASES), the variants, packed batches,
 bit-identity across thread counts and between mha and the layer, pickling, decoding over every kind
 of KV cache, torch's bfloat16 module (from_torch; pyattn's error no worse than 1.5x torch's own
-bfloat16 error), and the error policy.
+bfloat16 error), a hypothesis property over random small layers, and the error policy.
 
 Inputs and weights are NaN-guarded views (conftest.nan_guarded) unless a test says otherwise.
 """
@@ -20,6 +20,8 @@ import pickle
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import pyattn
 from pyattn import reference
@@ -174,6 +176,46 @@ def test_inputs_not_modified(isa, bf16, rng):
     pyattn.mha(query, key, value, **kwargs)
     for a, b in zip(arrays, before):
         assert_same_bits(a, b)
+
+
+@st.composite
+def layer_problems(draw):
+    """A random small bfloat16 layer problem: dims (GQA, kdim/vdim of any parity), lengths, options."""
+    num_kv_heads = draw(st.integers(1, 3))
+    num_heads = num_kv_heads * draw(st.integers(1, 3))
+    embed_dim = num_heads * draw(st.integers(1, 12))
+    cross = draw(st.booleans())
+    dims = dict(kdim=draw(st.integers(1, 40)), vdim=draw(st.integers(1, 40))) if cross else {}
+    return dict(
+        num_kv_heads=num_kv_heads,
+        num_heads=num_heads,
+        embed_dim=embed_dim,
+        dims=dims,
+        batch=draw(st.sampled_from([None, 1, 2])),
+        q_len=draw(st.integers(1, 24)),
+        kv_len=draw(st.integers(1, 24)),
+        causal=draw(st.sampled_from([False, "lower_right", "upper_left"])),
+        bias=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(problem=layer_problems())
+def test_random_layers_match_reference_property(isa, bf16, problem):
+    """Any small bfloat16 layer against the reference (and, without bfloat16 dot products, bit for bit
+    against the float32 layer rounded once: check_bf16_mha)."""
+    rng = np.random.default_rng(problem["seed"])
+    p = problem
+    query, key, value = make_inputs(
+        rng, bf16, p["batch"], p["q_len"], p["kv_len"], p["embed_dim"], p["dims"].get("kdim"), p["dims"].get("vdim")
+    )
+    weights = random_weights(
+        rng, bf16, p["embed_dim"], p["num_heads"], num_kv_heads=p["num_kv_heads"], bias=p["bias"], **p["dims"]
+    )
+    check_bf16_mha(
+        query, key, value, num_heads=p["num_heads"], num_kv_heads=p["num_kv_heads"], is_causal=p["causal"], **weights
+    )
 
 
 # --- the layer ----------------------------------------------------------------------------------
