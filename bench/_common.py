@@ -289,7 +289,17 @@ def time_interleaved(
     return {name: failed[name] if name in failed else (Timing.of(pooled[name]), results[name]) for name in fns}
 
 
-def peer_timing(name: str, timing: Timing | None, pyattn_timing: Timing, per_call: int = 1) -> dict:
+def pyattn_timing(timing: Timing, per_call: int = 1) -> dict:
+    """pyattn's row entries: pyattn_ms (median), pyattn_min_ms (fastest), per step when a timed call
+    makes per_call steps, and pyattn_runs."""
+    return {
+        "pyattn_ms": timing.median / per_call * 1e3,
+        "pyattn_min_ms": timing.min / per_call * 1e3,
+        "pyattn_runs": timing.runs,
+    }
+
+
+def peer_timing(name: str, timing: Timing | None, baseline: Timing, per_call: int = 1) -> dict:
     """A peer's row entries: <name>_ms (median; per step when a timed call makes per_call steps),
     <name>_runs and <name>_vs_pyattn (peer median / pyattn median), all None when the peer did not
     run (timing None: an optional peer that is not installed)."""
@@ -298,7 +308,7 @@ def peer_timing(name: str, timing: Timing | None, pyattn_timing: Timing, per_cal
     return {
         f"{name}_ms": timing.median / per_call * 1e3,
         f"{name}_runs": timing.runs,
-        f"{name}_vs_pyattn": timing.median / pyattn_timing.median,
+        f"{name}_vs_pyattn": timing.median / baseline.median,
     }
 
 

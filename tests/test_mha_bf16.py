@@ -425,6 +425,14 @@ def test_mixed_dtypes_are_refused(bf16, rng):
         layer(random_array(rng, (1, 3, 16), bf16), attn_mask=np.zeros((3, 3), np.float32))
 
 
+@pytest.mark.parametrize("num_threads, error, message", [(0, ValueError, ">= 1"), ("2", TypeError, "an int or None")])
+def test_bad_num_threads(isa, bf16, rng, num_threads, error, message):
+    """A bfloat16 layer's call names num_threads for a bad value, whichever path converts its inputs."""
+    layer = pyattn.MultiHeadAttention(16, 2, dtype=bf16, seed=0)
+    with pytest.raises(error, match=f"^num_threads: .*{message}"):
+        layer(random_array(rng, (1, 3, 16), bf16), num_threads=num_threads)
+
+
 def test_float16_layers_are_refused():
     with pytest.raises(TypeError, match="^dtype: must be float32, float64 or bfloat16"):
         pyattn.MultiHeadAttention(16, 2, dtype=np.float16)
