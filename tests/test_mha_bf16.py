@@ -10,7 +10,8 @@ bit for bit. Odd sizes (embed_dim, kdim and vdim odd, so the pair GEMM's k tail 
 every option of the float32 layer (test_mha.OPTION_CASES), the variants, packed batches,
 bit-identity across thread counts and between mha and the layer, pickling, decoding over every kind
 of KV cache, torch's bfloat16 module (from_torch; pyattn's error no worse than 1.5x torch's own
-bfloat16 error), a hypothesis property over random small layers, and the error policy.
+bfloat16 error), precision="highest" (the float32 layer rounded once, bit for bit, on every ISA), a
+hypothesis property over random small layers, and the error policy.
 
 Inputs and weights are NaN-guarded views (conftest.nan_guarded) unless a test says otherwise.
 """
@@ -358,6 +359,89 @@ def test_cached_steps_bitwise_for_any_thread_count(isa, bf16, rng):
     outs = [run_chunks(layer, x, pyattn.KVCache(2, 3, 8, 32, dtype="bfloat16"), num_threads=n) for n in (1, 2, 3)]
     for out in outs[1:]:
         assert_same_bits(out, outs[0])
+
+
+# --- precision= -----------------------------------------------------------------------------------
+
+
+def float32_twin(layer):
+    """The float32 layer holding a bfloat16 layer's weights (widened exactly)."""
+    twin = pyattn.MultiHeadAttention(layer.embed_dim, layer.num_heads, num_kv_heads=layer.num_kv_heads)
+    twin.load_state_dict({k: v.astype(np.float32) for k, v in layer.state_dict().items()})
+    return twin
+
+
+def test_highest_is_the_float32_layer_rounded_once(isa, bf16, rng):
+    """precision="highest": on every ISA (avx512bf16's pair GEMMs included) a bfloat16 layer is the
+    float32 layer over the same values, rounded once, bit for bit: plain, masked with weights,
+    packed batch and cached steps; "fast" is the default and within the bfloat16 layer bound."""
+    layer = pyattn.MultiHeadAttention(40, 5, num_kv_heads=5, dtype=bf16, seed=8)
+    twin = float32_twin(layer)
+    x = random_array(rng, (2, 11, 40), bf16)
+    x32 = x.astype(np.float32)
+    mask = torch_style_mask(rng, (2, 11), "bool", bf16)
+    for options in ({}, dict(is_causal=True), dict(key_padding_mask=mask, need_weights=True)):
+        got = layer(x, precision="highest", **options)
+        want = twin(x32, **options)
+        for g, w in zip(*(r if isinstance(r, tuple) else (r,) for r in (got, want))):
+            assert_same_bits(g, w.astype(bf16))
+        default, fast = (layer(x, **options, **p) for p in ({}, dict(precision="fast")))
+        assert_same_bits(*(r[0] if isinstance(r, tuple) else r for r in (default, fast)))
+    expected = reference_mha(x, num_heads=5, **weights_of(layer))
+    fast = layer(x, precision="fast")
+    assert_bf16_close(fast, expected, bf16)
+    if pyattn._core.bf16_dots():  # "fast" does take the pair GEMMs where the ISA has them
+        assert not np.array_equal(fast.view(np.uint16), layer(x, precision="highest").view(np.uint16))
+    cu = np.array([0, 4, 4, 11])
+    assert_same_bits(
+        pyattn.mha(x[0], num_heads=5, cu_seqlens=cu, precision="highest", **weights_of(layer)),
+        pyattn.mha(x32[0], num_heads=5, cu_seqlens=cu, **weights_of(twin)).astype(bf16),
+    )
+    caches = [pyattn.KVCache(2, 5, 8, 16, dtype=np.float32) for _ in range(2)]
+    got = run_chunks(layer, x, caches[0], chunks=[6, 1, 4], precision="highest")
+    want = run_chunks(twin, x32, caches[1], chunks=[6, 1, 4])
+    assert_same_bits(got, want.astype(bf16))
+    np.testing.assert_array_equal(caches[0].keys(), caches[1].keys())
+
+
+def test_precision_per_call_keeps_both_packings(bf16, rng):
+    """A layer called with either precision in turn gives each one's result every time (the weights
+    are packed once per ISA and form, not repacked or mixed up)."""
+    layer = pyattn.MultiHeadAttention(24, 3, dtype=bf16, seed=2)
+    x = random_array(rng, (1, 7, 24), bf16)
+    previous = pyattn.get_isa()
+    try:
+        for isa in pyattn.available_isas():
+            pyattn._core._set_isa(isa)
+            first = {p: layer(x, precision=p) for p in ("fast", "highest", "fast")}
+            for p in ("highest", "fast", "highest"):
+                assert_same_bits(layer(x, precision=p), first[p])
+    finally:
+        pyattn._core._set_isa(previous)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+@pytest.mark.parametrize(
+    "precision, error", [("low", ValueError), ("Fast", ValueError), (None, TypeError), (1, TypeError)]
+)
+def test_bad_precision_is_named(rng, dtype, precision, error):
+    """Every layer dtype checks precision (float32 and float64 layers ignore a valid one), in mha, the
+    layer and the cached step."""
+    dt = np_dtype(dtype)
+    layer = pyattn.MultiHeadAttention(16, 2, dtype=dt, seed=1)
+    x = random_array(rng, (1, 3, 16), dt)
+    cache = pyattn.KVCache(1, 2, 8, 8, dtype=np.float64 if dtype == "float64" else np.float32)
+    calls = [
+        lambda: layer(x, precision=precision),
+        lambda: pyattn.mha(x, num_heads=2, precision=precision, **weights_of(layer)),
+        lambda: layer(x, kv_cache=cache, precision=precision),
+    ]
+    for call in calls:
+        with pytest.raises(error, match="precision: expected 'fast' or 'highest'"):
+            call()
+    assert cache.lengths.tolist() == [0]  # refused before anything was appended
+    if dtype != "bfloat16":
+        np.testing.assert_array_equal(layer(x, precision="highest"), layer(x))
 
 
 # --- torch's bfloat16 module --------------------------------------------------------------------

@@ -230,8 +230,10 @@ void bind_runtime(py::module_& m) {
   install_fork_guard();
   m.def("isa", []() { return std::string(active_isa()); }, "Name of the kernel ISA in use.");
   m.def(
-      "bf16_dots", []() { return active_kernels().bf16_dots; },
-      "Whether the ISA in use computes 16-bit inputs with bfloat16 dot products under precision='fast'.");
+      "bf16_dots", [](py::handle precision) { return parse_precision(precision) && active_kernels().bf16_dots; },
+      py::arg("precision") = "fast",
+      "Whether the ISA in use computes bfloat16 inputs with bfloat16 dot products under `precision` (the "
+      "error every entry point gives for a precision other than 'fast' or 'highest').");
   m.def("quantize_int8", &quantize_into, py::arg("src"), py::arg("dst"), py::arg("scales"),
         "Rows of src quantised to int8 into dst with one float32 scale per row (KVCache.append).");
   m.def("available_isas", &isa_list, "ISAs compiled into this build and supported by this CPU, worst to best.");

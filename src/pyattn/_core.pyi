@@ -169,8 +169,9 @@ def mha_cached(
 def isa() -> str:
     """Name of the kernel ISA in use."""
 
-def bf16_dots() -> bool:
-    """Whether the ISA in use computes 16-bit inputs with bfloat16 dot products under precision='fast'."""
+def bf16_dots(precision: str = "fast") -> bool:
+    """Whether the ISA in use computes bfloat16 inputs with bfloat16 dot products under `precision` (the
+    error every entry point gives for a precision other than 'fast' or 'highest')."""
 
 def available_isas() -> list[str]:
     """ISAs compiled into this build and supported by this CPU, worst to best."""

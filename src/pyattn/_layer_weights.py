@@ -37,10 +37,11 @@ def _expect_shape(x, shape, name):
 class LayerWeights:
     """Validated layer weights: q/k/v/out projections (out_features, in_features) and biases.
 
-    A bfloat16 layer (dtype bfloat16) computes in float32 (``compute``): on an ISA with bfloat16 dot
-    products its projections are pair GEMMs over the bfloat16 weights and inputs (the core's
-    ``bf16=True``: weights from pack_weights16, float32 biases), elsewhere the float32 layer over the
-    same values (bfloat16 widens to float32 exactly); the results are rounded to bfloat16 once."""
+    A bfloat16 layer (dtype bfloat16) computes in float32 (``compute``): under precision "fast" on an
+    ISA with bfloat16 dot products its projections are pair GEMMs over the bfloat16 weights and inputs
+    (``pairs``, the core's ``bf16=True``: weights from pack_weights16, float32 biases), otherwise the
+    float32 layer over the same values (bfloat16 widens to float32 exactly); the results are rounded
+    to bfloat16 once."""
 
     def __init__(self, embed_dim, num_heads, num_kv_heads, kdim, vdim, q, k, v, o, bq, bk, bv, bo):
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
@@ -72,23 +73,25 @@ class LayerWeights:
         if was_packed:
             self.packed()
 
-    def pairs(self):
-        """Whether the core computes this bfloat16 layer's projections in bfloat16 pairs (on the ISA in use)."""
-        return self.bf16 and _core.bf16_dots()
+    def pairs(self, precision="fast"):
+        """Whether the core computes this bfloat16 layer's projections in bfloat16 pairs under
+        `precision` on the ISA in use (checked for every layer: an error names a bad precision)."""
+        return _core.bf16_dots(precision) and self.bf16
 
-    def packed(self):
-        """(q, k, v, o) weights packed for the active ISA's GEMM (cached per ISA), and the panel width:
-        a bfloat16 layer's in pairs (pack_weights16) where the ISA has bfloat16 dot products, else
-        their float32 values."""
-        isa = _core.isa()
-        if isa not in self._packed:
+    def packed(self, pairs=None):
+        """(q, k, v, o) weights packed for the active ISA's GEMM (cached per ISA and form), and the
+        panel width: in bfloat16 pairs (pack_weights16) with `pairs` (default: pairs()), else the
+        float32 (or float64) values."""
+        pairs = self.pairs() if pairs is None else pairs
+        key = (_core.isa(), pairs)
+        if key not in self._packed:
             weights = (self.q, self.k, self.v, self.o)
-            if self.pairs():
+            if pairs:
                 packs = [_core.pack_weights16(np.ascontiguousarray(w).view(np.uint16)) for w in weights]
             else:
                 packs = [_core.pack_weights(np.ascontiguousarray(w, dtype=self.compute)) for w in weights]
-            self._packed[isa] = (tuple(p for p, _ in packs), packs[0][1])
-        return self._packed[isa]
+            self._packed[key] = (tuple(p for p, _ in packs), packs[0][1])
+        return self._packed[key]
 
     def biases(self):
         """(q, k, v, o) biases as the core takes them: in the compute dtype (None stays None)."""
@@ -96,12 +99,12 @@ class LayerWeights:
             return (self.bq, self.bk, self.bv, self.bo)
         return tuple(None if b is None else b.astype(np.float32) for b in (self.bq, self.bk, self.bv, self.bo))
 
-    def core_rows(self, x, num_threads=None):
+    def core_rows(self, x, pairs, num_threads=None):
         """An input's (rows, features) matrix as the core reads it: a bfloat16 layer's as the uint16
         view of its bfloat16 rows (pairs) or their float32 values (widened by the core's threads)."""
         if not self.bf16:
             return x
-        if self.pairs():
+        if pairs:
             return x.view(np.uint16)
         if not x.flags.c_contiguous:
             return x.astype(np.float32)
@@ -109,18 +112,18 @@ class LayerWeights:
         _core._convert_half(x.view(np.uint16), wide, num_threads, bfloat16=True)
         return wide
 
-    def core_weights(self):
+    def core_weights(self, pairs):
         """The core layer call's weights tuple: (q, k, v, o) weights (for_core) and their biases."""
-        return (*self.for_core(), *self.biases())
+        return (*self.for_core(pairs), *self.biases())
 
-    def for_core(self):
+    def for_core(self, pairs):
         """(q, k, v, o) weights as the core's layer calls take them: packed for the active ISA once
         this object has packed (MultiHeadAttention packs at construction), else the weight arrays
         themselves (pyattn.mha: one call, whose GEMM tasks pack the panels they compute into
         per-thread scratch, or for one or two rows read them in place: no four fresh packed copies
         per call, same results). A bfloat16 layer's are always packed (packed())."""
         if self._packed or self.bf16:
-            return self.packed()[0]
+            return self.packed(pairs)[0]
         return tuple(
             kernel_layout(x, n)
             for x, n in zip(

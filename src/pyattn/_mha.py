@@ -65,7 +65,7 @@ def _key_value(q, key, value):
     return float_array(key, "key", q.dtype), float_array(value, "value", q.dtype)
 
 
-def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, num_threads, variants):
+def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, num_threads, variants, pairs):
     """Self-attention of new tokens q (batch, chunk, E) over kv_cache, after appending their K/V."""
     if not isinstance(kv_cache, KVCache):
         raise TypeError(f"kv_cache: expected a pyattn.KVCache, got {type(kv_cache).__name__}")
@@ -95,15 +95,15 @@ def _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, num_thre
     dims = [batch, chunk, w.embed_dim, w.num_heads, w.num_kv_heads, w.head_dim]
     layer_step(
         kv_cache,
-        w.core_rows(_rows(x, True, "query"), num_threads),
-        w.core_weights(),
+        w.core_rows(_rows(x, True, "query"), pairs, num_threads),
+        w.core_weights(pairs),
         dims,
         num_new,
         left_padded,
         out,
         num_threads,
         _core_variants(w, variants),
-        w.pairs(),
+        pairs,
     )
     out = _in_layer_dtype(w, out, num_threads)
     return out if batched else out[0]
@@ -128,13 +128,13 @@ def _in_layer_dtype(w, x, num_threads):
     return y
 
 
-def _core_inputs(w, arrays, batched, num_threads):
+def _core_inputs(w, arrays, batched, pairs, num_threads):
     """(query, key, value) as the core's row matrices (_rows, LayerWeights.core_rows): an array passed
     as more than one of them (self-attention) is converted once."""
     rows = {}
     for x, name in zip(arrays, ("query", "key", "value")):
         if id(x) not in rows:
-            rows[id(x)] = w.core_rows(_rows(x, batched, name), num_threads)
+            rows[id(x)] = w.core_rows(_rows(x, batched, name), pairs, num_threads)
     return [rows[id(x)] for x in arrays]
 
 
@@ -145,7 +145,7 @@ def _sequence_first(x, batch_first):
 
 
 def _forward_packed(
-    w, query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, num_threads, variants, cu_seqlens
+    w, query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, num_threads, variants, cu_seqlens, pairs
 ):
     """Self-attention over a packed batch: query (total, E) holds the sequences' tokens back to back,
     sequence s being rows cu_seqlens[s]:cu_seqlens[s + 1]; each attends within itself only."""
@@ -167,8 +167,8 @@ def _forward_packed(
             )
     out = allocate((total, w.embed_dim), w.compute, "out")
     _core.mha(
-        *_core_inputs(w, (q, k, v), False, num_threads),
-        w.core_weights(),
+        *_core_inputs(w, (q, k, v), False, pairs, num_threads),
+        w.core_weights(pairs),
         [1, total, total, w.embed_dim, w.kdim, w.vdim, w.num_heads, w.num_kv_heads, w.head_dim],
         [],
         is_causal,
@@ -177,7 +177,7 @@ def _forward_packed(
         num_threads,
         *_core_variants(w, variants),
         cu_seqlens,
-        bf16=w.pairs(),
+        bf16=pairs,
     )
     return _in_layer_dtype(w, out, num_threads)
 
@@ -199,8 +199,10 @@ def _forward(
     batch_first=True,
     variants=(None, None, None, None),
     cu_seqlens=None,
+    precision="fast",
 ):
     check_batch_first(batch_first)
+    pairs = w.pairs(precision)
     if cu_seqlens is not None:
         if kv_cache is not None:
             raise ValueError("cu_seqlens: a packed batch cannot be combined with kv_cache")
@@ -216,6 +218,7 @@ def _forward(
             num_threads,
             variants,
             cu_seqlens,
+            pairs,
         )
     if kv_cache is not None:
         if key is not None or value is not None or attn_mask is not None or key_padding_mask is not None:
@@ -224,9 +227,8 @@ def _forward(
         if q.ndim not in (2, 3) or q.shape[-1] != w.embed_dim:
             layout = "(batch, chunk" if batch_first else "(chunk, batch"
             raise ValueError(f"query: expected {layout}, {w.embed_dim}) or (chunk, {w.embed_dim}), got {q.shape}")
-        out = _forward_cached(
-            w, _sequence_first(q, batch_first), kv_cache, num_new, left_padded, need_weights, num_threads, variants
-        )
+        q = _sequence_first(q, batch_first)
+        out = _forward_cached(w, q, kv_cache, num_new, left_padded, need_weights, num_threads, variants, pairs)
         return _sequence_first(out, batch_first)
     q = float_array(query, "query")
     if q.dtype != w.dtype:
@@ -268,8 +270,8 @@ def _forward(
     out = allocate((batch, q_len, w.embed_dim) if batched else (q_len, w.embed_dim), w.compute, "out")
     weights = allocate((batch, w.num_heads, q_len, kv_len), w.compute, "need_weights") if need_weights else None
     _core.mha(
-        *_core_inputs(w, (q, k, v), batched, num_threads),
-        w.core_weights(),
+        *_core_inputs(w, (q, k, v), batched, pairs, num_threads),
+        w.core_weights(pairs),
         [batch, q_len, kv_len, w.embed_dim, w.kdim, w.vdim, w.num_heads, w.num_kv_heads, w.head_dim],
         masks,
         is_causal,
@@ -277,7 +279,7 @@ def _forward(
         weights,
         num_threads,
         *_core_variants(w, variants),
-        bf16=w.pairs(),
+        bf16=pairs,
     )
     out = _sequence_first(_in_layer_dtype(w, out, num_threads), batch_first)
     if not need_weights:
@@ -322,6 +324,7 @@ def mha(
     sinks=None,
     alibi_slopes=None,
     cu_seqlens=None,
+    precision="fast",
 ):
     """Multi-head attention (inference) with torch.nn.MultiheadAttention's weights and conventions.
 
@@ -374,6 +377,13 @@ def mha(
         sums starting at 0 and ending at total); each attends within itself only (is_causal, window
         and ALiBi per sequence), and no work is spent across sequences. No masks, no need_weights,
         no kv_cache; the output is (total, embed_dim).
+    precision : {"fast", "highest"}
+        How a bfloat16 layer (bfloat16 weights and inputs) computes; float32 and float64 layers
+        compute in their own precision. "fast" (the default): on CPUs with AVX512-BF16
+        (``pyattn.runtime_info()["precision_fast"]``) the projections are bfloat16 dot products
+        with float32 sums, the attention's output rounded to bfloat16 for the output projection;
+        elsewhere as "highest". "highest": the float32 layer over the same values, its results
+        rounded to bfloat16 once. Error bounds: docs/guide_dtypes.rst.
 
     Returns
     -------
@@ -426,6 +436,7 @@ def mha(
         batch_first,
         (window, softcap, sinks, alibi_slopes),
         cu_seqlens,
+        precision,
     )
 
 
@@ -466,9 +477,9 @@ class MultiHeadAttention:
         The weights' dtype, and the inputs' and outputs' dtype of the layer. A bfloat16 layer
         computes in float32 from its bfloat16 values: on CPUs with AVX512-BF16 its projections are
         bfloat16 dot products (float32 sums; the attention's output rounded to bfloat16 for the output
-        projection), elsewhere float32 products; the attention is float32; results are rounded to
-        bfloat16 once. Its ``kv_cache`` is any cache that computes in float32 (storage float32,
-        float16, bfloat16 or int8).
+        projection) unless a call asks for ``precision="highest"``, elsewhere float32 products; the
+        attention is float32; results are rounded to bfloat16 once. Its ``kv_cache`` is any cache
+        that computes in float32 (storage float32, float16, bfloat16 or int8).
     seed : int, optional
         Seed of the random initial weights (torch's ``xavier_uniform_`` for the input projections,
         its Linear default for the output projection), for reproducible layers.
@@ -757,6 +768,7 @@ class MultiHeadAttention:
         left_padded=False,
         num_threads=None,
         cu_seqlens=None,
+        precision="fast",
     ):
         """The layer's forward pass: ``pyattn.mha`` with this layer's weights, batch_first and variant
         options (window, softcap, sinks, alibi_slopes).
@@ -764,7 +776,7 @@ class MultiHeadAttention:
         Parameters
         ----------
         query, key, value, attn_mask, key_padding_mask, is_causal, need_weights, \
-average_attn_weights, kv_cache, num_new, left_padded, num_threads, cu_seqlens
+average_attn_weights, kv_cache, num_new, left_padded, num_threads, cu_seqlens, precision
             As in :func:`pyattn.mha`.
 
         Returns
@@ -789,6 +801,7 @@ average_attn_weights, kv_cache, num_new, left_padded, num_threads, cu_seqlens
             self.batch_first,
             (self.window, self.softcap, self.sinks, self.alibi_slopes),
             cu_seqlens,
+            precision,
         )
 
     def __repr__(self):
