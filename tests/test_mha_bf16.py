@@ -62,15 +62,17 @@ def assert_same_bits(a, b):
 
 
 def check_bf16_mha(query, key=None, value=None, **kwargs):
-    """pyattn.mha on bfloat16 arrays against the reference; on an ISA without bfloat16 dot products
-    also against the float32 computation rounded once, bit for bit. Returns pyattn's result."""
+    """pyattn.mha on bfloat16 arrays against the reference; where it takes no bfloat16 dot products
+    (an ISA without them, or precision="highest") also against the float32 computation rounded once,
+    bit for bit. Returns pyattn's result."""
     bf16 = query.dtype
     got = pyattn.mha(query, key, value, **kwargs)
+    precision = kwargs.pop("precision", "fast")
     expected = reference_mha(query, key, value, **kwargs)
     results = got if isinstance(got, tuple) else (got,)
     for g, e in zip(results, expected if isinstance(expected, tuple) else (expected,)):
         assert_bf16_close(g, e, bf16)
-    if not pyattn._core.bf16_dots():
+    if not pyattn._core.bf16_dots(precision):
         as32 = {n: v.astype(np.float32) if getattr(v, "dtype", None) == bf16 else v for n, v in kwargs.items()}
         f32 = pyattn.mha(*(None if x is None else x.astype(np.float32) for x in (query, key, value)), **as32)
         for g, r in zip(results, f32 if isinstance(f32, tuple) else (f32,)):
@@ -197,6 +199,7 @@ def layer_problems(draw):
         kv_len=draw(st.integers(1, 24)),
         causal=draw(st.sampled_from([False, "lower_right", "upper_left"])),
         bias=draw(st.booleans()),
+        precision=draw(st.sampled_from(["fast", "highest"])),
         seed=draw(st.integers(0, 2**32 - 1)),
     )
 
@@ -204,8 +207,8 @@ def layer_problems(draw):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(problem=layer_problems())
 def test_random_layers_match_reference_property(isa, bf16, problem):
-    """Any small bfloat16 layer against the reference (and, without bfloat16 dot products, bit for bit
-    against the float32 layer rounded once: check_bf16_mha)."""
+    """Any small bfloat16 layer under either precision against the reference (and, without bfloat16 dot
+    products, bit for bit against the float32 layer rounded once: check_bf16_mha)."""
     rng = np.random.default_rng(problem["seed"])
     p = problem
     query, key, value = make_inputs(
@@ -214,9 +217,8 @@ def test_random_layers_match_reference_property(isa, bf16, problem):
     weights = random_weights(
         rng, bf16, p["embed_dim"], p["num_heads"], num_kv_heads=p["num_kv_heads"], bias=p["bias"], **p["dims"]
     )
-    check_bf16_mha(
-        query, key, value, num_heads=p["num_heads"], num_kv_heads=p["num_kv_heads"], is_causal=p["causal"], **weights
-    )
+    options = dict(num_heads=p["num_heads"], num_kv_heads=p["num_kv_heads"], is_causal=p["causal"])
+    check_bf16_mha(query, key, value, precision=p["precision"], **options, **weights)
 
 
 # --- the layer ----------------------------------------------------------------------------------
