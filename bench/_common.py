@@ -27,6 +27,10 @@ import numpy as np
 # them, they only warn (unset them in the command: `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE`).
 OPENBLAS_SLOW_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 BUSY_WARN_CPUS = 0.2  # background load (CPUs busy with other processes) above which benches warn
+# Quiet time before each timing block and each ceiling probe: a library's worker threads keep
+# spinning for a while after its last call (ONNX Runtime's: tens of milliseconds, halving a probe's
+# reading or slowing the next library's first calls up to twofold); 0.1 s lets them go to sleep.
+SETTLE_SECONDS = 0.1
 
 # argparse epilog shared by the bench scripts; format with script="bench/<name>.py".
 ENVIRONMENT_HELP = """environment:
@@ -178,6 +182,18 @@ class Timing:
         return Timing(statistics.median(samples), min(samples), len(samples))
 
 
+def settle() -> None:
+    """SETTLE_SECONDS of quiet, so that every library's worker threads have gone to sleep."""
+    time.sleep(SETTLE_SECONDS)
+
+
+def settled(probe: Callable[..., Any], *args, **kwargs) -> Any:
+    """probe(*args, **kwargs) after settle(): a ceiling probe (pyattn._machine) right after a peer's
+    calls would share the cores with that peer's still-spinning threads."""
+    settle()
+    return probe(*args, **kwargs)
+
+
 def _samples(
     fn: Callable[[], Any],
     min_time: float,
@@ -243,7 +259,7 @@ def time_interleaved(
     min_time: float = 0.3,
     min_runs: int = 5,
     warmup: int = 1,
-    settle: float = 0.1,
+    settle: float = SETTLE_SECONDS,
     contexts: dict[str, Callable[[], Any]] | None = None,
     raise_errors: bool = False,
     before: dict[str, Callable[[], Any]] | None = None,

@@ -122,6 +122,8 @@ from _common import (
     print_peer_isa,
     pyattn_timing,
     resolve_common_arguments,
+    settle,
+    settled,
     time_call,
     time_interleaved,
     wait_for_idle,
@@ -271,7 +273,8 @@ def kv_read_gbs(pyattn, cache, threads, flush=None) -> float:
     how much of the K/V an eviction pass leaves in the last-level cache varies from pass to pass."""
     arrays = stored_arrays(cache)
     if flush is None:
-        return float(machine(pyattn).read_buffers_gbs(arrays, threads))
+        return float(settled(machine(pyattn).read_buffers_gbs, arrays, threads))
+    settle()
     reads = []
     for _ in range(COLD_READS):
         machine(pyattn).read_buffers_gbs([flush], threads, repeats=1)

@@ -135,6 +135,7 @@ from _common import (
     print_peer_isa,
     pyattn_timing,
     resolve_common_arguments,
+    settle,
     time_call,
     time_interleaved,
     wait_for_idle,
@@ -645,6 +646,7 @@ def measure_peak(pyattn, args, readings: int = 3) -> tuple[float, float | None]:
     measure = getattr(machine(pyattn), args.ceiling)
     best, busy = 0.0, None
     for _ in range(readings):
+        settle()
         with BackgroundLoad() as load:
             peak = float(measure(args.threads, 0.1 if args.quick else 0.5))
         if peak > best:

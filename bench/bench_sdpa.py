@@ -104,6 +104,7 @@ from _common import (
     print_peer_isa,
     pyattn_timing,
     resolve_common_arguments,
+    settled,
     time_interleaved,
     wait_for_idle,
 )
@@ -589,7 +590,7 @@ def run_row(pyattn, case, variant, inputs, mask, peers, args, ceilings, peer_inp
     if case.is_decode and hasattr(machine(pyattn), "read_buffers_gbs"):
         # The read ceiling of these very K/V pages (huge pages or not), measured just before the row.
         arrays = [np.ascontiguousarray(k).view(np.uint8), np.ascontiguousarray(v).view(np.uint8)]
-        own_read = float(machine(pyattn).read_buffers_gbs(arrays, args.threads))
+        own_read = float(settled(machine(pyattn).read_buffers_gbs, arrays, args.threads))
     if half:
         fns = {
             name: functools.partial(
@@ -626,7 +627,7 @@ def run_row(pyattn, case, variant, inputs, mask, peers, args, ceilings, peer_inp
     ceiling = row_ceiling(case, args.dtype, ceilings)
     measure_peak = getattr(machine(pyattn), ceiling, None)
     peak_seconds = 0.05 if args.quick else 0.15
-    row_peak = [float(measure_peak(args.threads, peak_seconds))] if measure_peak else []
+    row_peak = [float(settled(measure_peak, args.threads, peak_seconds))] if measure_peak else []
     timed = time_interleaved(
         fns,
         rounds=args.rounds,
@@ -635,7 +636,7 @@ def run_row(pyattn, case, variant, inputs, mask, peers, args, ceilings, peer_inp
         contexts={"numpy": args.blas_limit},
     )
     if measure_peak:
-        row_peak.append(float(measure_peak(args.threads, peak_seconds)))
+        row_peak.append(float(settled(measure_peak, args.threads, peak_seconds)))
     for name in ("pyattn", "highest"):
         if isinstance(timed.get(name), Exception):
             raise timed[name]
