@@ -45,7 +45,7 @@ for isa in avx2 avx512; do
   "$out/tile_$isa" 5 17 1 0.1
   "$out/gemm_$isa" 100 200 72 0.1
   "$out/gemm_$isa" 13 70 5 0.1
-  for storage in f32 f16 bf16; do
+  for storage in f32 f16 bf16 i8; do
     "$out/decode_$isa" $storage 4 1000 3
     "$out/decode_$isa" $storage 2 1001 3 1 4
     "$out/decode_$isa" $storage 3 77 3 1

@@ -19,7 +19,8 @@
 //   /tmp/dh STORAGE ROWS KV_LEN CALLS [PREFETCH [STREAMS [FUSE]]]   e.g.  /tmp/dh f16 4 512 20000
 // Two cores streaming from memory (K/V of 100+ MiB each), timed together:
 //   t=$(($(date +%s) + 3)); for i in 1 2; do HARNESS_START=$t /tmp/dh f16 4 262144 200 & done; wait
-// STORAGE: f32, f16 or bf16 (K/V storage; compute is float32); ROWS: query rows per key/value
+// STORAGE: f32, f16, bf16 or i8 (K/V storage, i8 with a float32 scale per row as KVCache's int8
+// storage; compute is float32); ROWS: query rows per key/value
 // head (the GQA group times the new tokens); PREFETCH 1: the kernel's software prefetch on, into L2
 // (DecodePlan::prefetch_kv, which the planner sets when K/V come from memory), 2: on, into L1
 // (DecodePlan::prefetch_to_l1, the planner's choice on Zen 5); STREAMS 1, 2 or 4: parts
@@ -74,12 +75,15 @@ struct Placed {
 int main(int argc, char** argv) {
   using namespace pyattn;
   if (argc < 5 || argc > 8) {
-    std::fprintf(stderr, "usage: %s f32|f16|bf16 ROWS KV_LEN CALLS [PREFETCH [STREAMS [FUSE]]]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s f32|f16|bf16|i8 ROWS KV_LEN CALLS [PREFETCH [STREAMS [FUSE]]]\n", argv[0]);
     return 2;
   }
   const std::string storage_name = argv[1];
   const int64_t rows = std::atoll(argv[2]), kv_len = std::atoll(argv[3]), calls = std::atoll(argv[4]);
-  const Storage storage = storage_name == "f16" ? Storage::f16 : storage_name == "bf16" ? Storage::bf16 : Storage::same;
+  const Storage storage = storage_name == "f16"    ? Storage::f16
+                          : storage_name == "bf16" ? Storage::bf16
+                          : storage_name == "i8"   ? Storage::i8
+                                                   : Storage::same;
   if ((storage == Storage::same && storage_name != "f32") || rows < 1 || rows > 16 || kv_len < 1 || calls < 1) {
     std::fprintf(stderr, "bad arguments (ROWS 1..16, KV_LEN >= 1, CALLS >= 1)\n");
     return 2;
@@ -107,15 +111,34 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < k.size(); ++i) k16.data[i] = bf16_bits(k[i]);
     for (size_t i = 0; i < v.size(); ++i) v16.data[i] = bf16_bits(v[i]);
   }
-  const bool half = storage != Storage::same;
+  // int8: each row max|x| / 127 and round to nearest (the values need only be those the kernel sees).
+  Placed<int8_t> k8(k.size(), 0), v8(v.size(), 0);
+  std::vector<float> k_scales(static_cast<size_t>(kv_len)), v_scales(static_cast<size_t>(kv_len));
+  auto quantize = [&](const std::vector<float>& x, int8_t* dst, std::vector<float>& scales, int64_t dim) {
+    for (int64_t j = 0; j < kv_len; ++j) {
+      float amax = 0;
+      for (int64_t e = 0; e < dim; ++e) amax = std::max(amax, std::fabs(x[size_t(j * dim + e)]));
+      const float scale = amax / 127.0f;
+      scales[size_t(j)] = scale;
+      for (int64_t e = 0; e < dim; ++e)
+        dst[j * dim + e] = int8_t(scale > 0 ? std::nearbyint(x[size_t(j * dim + e)] / scale) : 0);
+    }
+  };
+  if (storage == Storage::i8) {
+    quantize(k, k8.data, k_scales, head_dim);
+    quantize(v, v8.data, v_scales, value_dim);
+  }
+  const bool half = storage == Storage::f16 || storage == Storage::bf16, int8 = storage == Storage::i8;
 
   // One batch entry with `rows` query heads sharing key/value head 0 (a GQA group of `rows`).
   std::vector<int64_t> q_offset(static_cast<size_t>(rows)), kv_offset(static_cast<size_t>(rows), 0);
   for (int64_t r = 0; r < rows; ++r) q_offset[size_t(r)] = r * head_dim;
   AttnArgs<float> a;
   a.q = q.data();
-  a.k = half ? reinterpret_cast<const float*>(k16.data) : k32.data;
-  a.v = half ? reinterpret_cast<const float*>(v16.data) : v32.data;
+  a.k = half ? reinterpret_cast<const float*>(k16.data) : int8 ? reinterpret_cast<const float*>(k8.data) : k32.data;
+  a.v = half ? reinterpret_cast<const float*>(v16.data) : int8 ? reinterpret_cast<const float*>(v8.data) : v32.data;
+  a.k_scales = int8 ? k_scales.data() : nullptr;
+  a.v_scales = int8 ? v_scales.data() : nullptr;
   a.q_offset = q_offset.data();
   a.k_offset = kv_offset.data();
   a.v_offset = kv_offset.data();
@@ -158,14 +181,18 @@ int main(int argc, char** argv) {
   // The result checked against float64 on the K/V values as stored (16-bit ones widened back).
   kernels.decode(a, plan, tile, rows, scratch.data, state);
   {
-    auto as_stored = [&](const std::vector<float>& x, const uint16_t* bits) {  // 16-bit values widened back
+    // 16-bit values widened back, int8 ones times their row's scale.
+    auto as_stored = [&](const std::vector<float>& x, const uint16_t* bits, const int8_t* i8,
+                         const std::vector<float>& scales, int64_t dim) {
       std::vector<float> seen(x);
       for (size_t i = 0; half && i < x.size(); ++i)
         seen[i] =
             storage == Storage::f16 ? PYATTN_ISA_NS::half_to_float(bits[i]) : PYATTN_ISA_NS::bf16_to_float(bits[i]);
+      for (size_t i = 0; int8 && i < x.size(); ++i) seen[i] = float(i8[i]) * scales[i / size_t(dim)];
       return seen;
     };
-    const std::vector<float> k_seen = as_stored(k, k16.data), v_seen = as_stored(v, v16.data);
+    const std::vector<float> k_seen = as_stored(k, k16.data, k8.data, k_scales, head_dim),
+                             v_seen = as_stored(v, v16.data, v8.data, v_scales, value_dim);
     double err = 0;
     for (int64_t r = 0; r < rows; ++r) {
       const std::vector<double> want = harness::reference_row(&q[size_t(r * head_dim)], k_seen.data(), v_seen.data(),
