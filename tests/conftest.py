@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: MIT
 """Shared fixtures and helpers: seeded rng, per-ISA fixture, the one tolerance table, input builders."""
 
+import contextlib
 import os
 
 import numpy as np
@@ -99,16 +100,23 @@ def _fixture_isas():
     return [forced] if forced in pyattn.available_isas() else pyattn.available_isas()
 
 
+@contextlib.contextmanager
+def forced_isa(name):
+    """Runs the body on ISA `name`'s kernels, restoring the previous choice afterwards."""
+    previous = pyattn.get_isa()
+    pyattn._core._set_isa(name)
+    try:
+        yield name
+    finally:
+        pyattn._core._set_isa(previous)
+
+
 @pytest.fixture(params=_fixture_isas())
 def isa(request):
     """Forces each compiled and supported ISA in turn (or only PYATTN_ISA's, when it is set),
     restoring the previous choice afterwards."""
-    previous = pyattn.get_isa()
-    pyattn._core._set_isa(request.param)
-    try:
+    with forced_isa(request.param):
         yield request.param
-    finally:
-        pyattn._core._set_isa(previous)
 
 
 @pytest.fixture(params=DTYPES, ids=lambda d: np.dtype(d).name)

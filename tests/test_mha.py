@@ -20,7 +20,7 @@ import pyattn
 import pyattn._tuning
 from pyattn import reference
 
-from conftest import TOL, assert_close, nan_guarded, random_array, random_mask
+from conftest import TOL, assert_close, forced_isa, nan_guarded, random_array, random_mask
 
 WEIGHT_NAMES = (
     "in_proj_weight",
@@ -500,13 +500,9 @@ def test_layer_follows_isa_changes(dtype, rng):
     layer = pyattn.MultiHeadAttention(48, 4, dtype=dtype, seed=5)
     query, _, _ = make_inputs(rng, dtype, 2, 17, 17, 48)
     expected = reference.mha(query, num_heads=4, **layer_weights(layer))
-    previous = pyattn.get_isa()
-    try:
-        for name in pyattn.available_isas()[::-1] + [previous]:
-            pyattn._core._set_isa(name)
+    for name in pyattn.available_isas()[::-1] + [pyattn.get_isa()]:
+        with forced_isa(name):
             assert_close(layer(query), expected, dtype)
-    finally:
-        pyattn._core._set_isa(previous)
 
 
 def test_layer_call_matches_mha(isa, dtype, rng):

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 import pyattn
 from pyattn import reference
 
-from conftest import f64, np_dtype, random_array, tol
+from conftest import f64, forced_isa, np_dtype, random_array, tol
 from test_mha import OPTION_CASES, WEIGHT_NAMES, case_options, make_inputs, random_weights, torch_style_mask
 
 
@@ -251,13 +251,9 @@ def test_layer_follows_isa_changes(bf16, rng):
     layer = pyattn.MultiHeadAttention(48, 4, dtype=bf16, seed=5)
     query, _, _ = make_inputs(rng, bf16, 2, 17, 17, 48)
     expected = reference_mha(query, num_heads=4, **weights_of(layer))
-    previous = pyattn.get_isa()
-    try:
-        for name in pyattn.available_isas()[::-1] + [previous]:
-            pyattn._core._set_isa(name)
+    for name in pyattn.available_isas()[::-1] + [pyattn.get_isa()]:
+        with forced_isa(name):
             assert_bf16_close(layer(query), expected, bf16)
-    finally:
-        pyattn._core._set_isa(previous)
 
 
 @pytest.mark.parametrize("copy_kind", ["pickle", "deepcopy"])
@@ -411,15 +407,11 @@ def test_precision_per_call_keeps_both_packings(bf16, rng):
     are packed once per ISA and form, not repacked or mixed up)."""
     layer = pyattn.MultiHeadAttention(24, 3, dtype=bf16, seed=2)
     x = random_array(rng, (1, 7, 24), bf16)
-    previous = pyattn.get_isa()
-    try:
-        for isa in pyattn.available_isas():
-            pyattn._core._set_isa(isa)
+    for isa in pyattn.available_isas():
+        with forced_isa(isa):
             first = {p: layer(x, precision=p) for p in ("fast", "highest", "fast")}
             for p in ("highest", "fast", "highest"):
                 assert_same_bits(layer(x, precision=p), first[p])
-    finally:
-        pyattn._core._set_isa(previous)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
